@@ -1,0 +1,3 @@
+"""gpu-ready: tells Kubernetes whether a node's NVIDIA GPUs are really usable."""
+
+__version__ = "0.1.0"

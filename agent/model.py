@@ -1,0 +1,207 @@
+"""The vocabulary shared by probes, the verdict and the reporters. No I/O here."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+_ADDR = re.compile(
+    r"^(?:PCI:)?(?:(?P<domain>[0-9A-Fa-f]{1,8}):)?(?P<bus>[0-9A-Fa-f]{1,2}):(?P<device>[0-9A-Fa-f]{1,2})"
+    r"(?:\.(?P<function>[0-7]))?$"
+)
+
+
+@dataclass(frozen=True, order=True)
+class PciAddress:
+    """One GPU identity. Xid `0000:3b:00`, nvidia-smi/NVML `00000000:3B:00.0` and sysfs
+    `0000:3b:00.0` all parse to the same value; GPUs are function 0, so the function is dropped."""
+
+    domain: int
+    bus: int
+    device: int
+
+    @classmethod
+    def parse(cls, text: str) -> PciAddress | None:
+        m = _ADDR.match(text.strip())
+        if not m:
+            return None
+        return cls(int(m["domain"] or "0", 16), int(m["bus"], 16), int(m["device"], 16))
+
+    @property
+    def nvml(self) -> str:
+        """NVML's and nvidia-smi's form, `00000000:3B:00.0`."""
+        return f"{self.domain:08X}:{self.bus:02X}:{self.device:02X}.0"
+
+    @property
+    def kernel(self) -> str:
+        """The kernel's Xid form, `0000:3b:00`."""
+        return f"{self.domain:04x}:{self.bus:02x}:{self.device:02x}"
+
+    def __str__(self) -> str:
+        return self.nvml
+
+
+class Status(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Reason(StrEnum):
+    """The condition reasons, an API for alerts and remediation. Declaration order is priority."""
+
+    FATAL_XID = "FatalXid"
+    NVIDIA_SMI_FAILED = "NvidiaSmiFailed"
+    NVML_HEALTH = "NvmlHealth"
+    NVIDIA_SMI_ERR = "NvidiaSmiErr"
+    GPU_COUNT_MISMATCH = "GPUCountMismatch"
+    DEVICE_PLUGIN_UNHEALTHY = "DevicePluginUnhealthy"
+    PREFLIGHT_NOT_PASSED = "PreflightNotPassed"
+    CHECK_FAILED = "CheckFailed"
+    GPUS_HEALTHY = "GPUsHealthy"
+
+
+FAULT_REASONS: tuple[Reason, ...] = tuple(
+    r for r in Reason if r not in (Reason.CHECK_FAILED, Reason.GPUS_HEALTHY)
+)
+
+
+class Check(StrEnum):
+    NVIDIA_SMI = "nvidia_smi"
+    PCI = "pci"
+    DEVICE_PLUGIN = "device_plugin"
+    NVML = "nvml"
+    XID = "xid"
+
+
+class Severity(StrEnum):
+    FAULT = "fault"  # makes the node not ready (with the finding's reason)
+    UNCHECKED = "unchecked"  # the source could not be read: never True, at most Unknown
+    INFO = "info"  # reported, does not change readiness
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What one check saw. Probes only produce findings; the verdict decides."""
+
+    check: Check
+    severity: Severity
+    message: str
+    reason: Reason | None = None  # for FAULT findings
+    gpu: PciAddress | None = None
+    kind: str = ""  # machine-readable sub-kind, e.g. "timeout", "exit_code", "err_field"
+
+    @classmethod
+    def fault(cls, check: Check, reason: Reason, message: str, gpu: PciAddress | None = None,
+              kind: str = "") -> Finding:
+        return cls(check, Severity.FAULT, message, reason, gpu, kind)
+
+    @classmethod
+    def unchecked(cls, check: Check, message: str, kind: str = "unavailable") -> Finding:
+        return cls(check, Severity.UNCHECKED, message, None, None, kind)
+
+    @classmethod
+    def info(cls, check: Check, message: str, gpu: PciAddress | None = None, kind: str = "") -> Finding:
+        return cls(check, Severity.INFO, message, None, gpu, kind)
+
+
+@dataclass(frozen=True)
+class GpuIdentity:
+    address: PciAddress
+    index: int | None = None
+    name: str | None = None
+
+
+@dataclass
+class Counts:
+    pci: int | None = None
+    nvidia_smi: int | None = None
+    plugin_capacity: int | None = None
+    plugin_allocatable: int | None = None
+    plugin_physical: int | None = None
+
+    def as_dict(self) -> dict[str, int | None]:
+        return dict(vars(self))
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """One GPU error from the kernel log: an Xid, an NVSwitch SXid, or a fallen-off-the-bus message."""
+
+    xid: int
+    address: PciAddress | None  # the GPU (None for SXid, whose address is an NVSwitch)
+    raw_address: str
+    fatal: bool
+    text: str
+    source: str = "xid"  # "xid" | "sxid" | "fallen_off_bus"
+    name: str = ""
+    action: str = ""
+    seq: int | None = None
+    usec: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "xid": self.xid,
+            "source": self.source,
+            "pci_bus_id": self.raw_address,
+            "fatal": self.fatal,
+            "name": self.name,
+            "action": self.action,
+            "text": self.text,
+        }
+
+
+@dataclass
+class Observation:
+    """Everything one check cycle saw; the input of the verdict."""
+
+    findings: list[Finding] = field(default_factory=list)
+    gpus: dict[PciAddress, GpuIdentity] = field(default_factory=dict)
+    counts: Counts = field(default_factory=Counts)
+    expected_gpus: int | None = None
+    xids: list[XidEvent] = field(default_factory=list)  # seen this boot (fatal and not)
+
+
+@dataclass(frozen=True)
+class GpuStatus:
+    index: int | None
+    pci_bus_id: str
+    name: str | None
+    healthy: bool | None
+    problems: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "pci_bus_id": self.pci_bus_id, "name": self.name,
+                "healthy": self.healthy, "problems": list(self.problems)}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: Status
+    reason: Reason
+    message: str
+    gpus: tuple[GpuStatus, ...] = ()
+    reasons: tuple[Reason, ...] = ()  # every reason that applied, in priority order
+    counts: Counts = field(default_factory=Counts)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.status.value, self.reason.value, self.message)
+
+
+@dataclass(frozen=True)
+class LatchedFault:
+    """A fatal kernel-log event that keeps the node not ready until reboot or a manual clear."""
+
+    xid: int
+    raw_address: str
+    gpu: PciAddress | None
+    source: str
+    text: str
+    since: float  # wall-clock seconds when first seen
+
+    @property
+    def key(self) -> str:
+        return f"{self.source}:{self.xid}:{self.raw_address}"

@@ -1,0 +1,208 @@
+"""Reading kernel-log records from /dev/kmsg (or a regular file in the same format).
+
+Record format (kernel Documentation/ABI/testing/dev-kmsg): `prio,seq,usec,flags[,more];text\\n`,
+then optional continuation lines that start with a space (KEY=value). Non-printable bytes and
+backslashes in the text are escaped as \\xNN. prio = facility << 3 | level; facility 0 is the kernel.
+On the char device each read() returns one record; EPIPE means records were overwritten before we
+read them (the seq gap says how many); EAGAIN in non-blocking mode means "no more for now".
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import select
+import stat
+import time
+from dataclasses import dataclass
+
+_ESC = re.compile(r"\\x([0-9a-fA-F]{2})")
+KERNEL_FACILITY = 0
+READ_SIZE = 8192
+FILE_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class KmsgRecord:
+    facility: int | None  # None: a plain text line (a saved dmesg), not a kmsg record
+    level: int | None
+    seq: int | None
+    usec: int | None
+    text: str
+
+    @property
+    def from_kernel(self) -> bool:
+        return self.facility == KERNEL_FACILITY
+
+
+def unescape(text: str) -> str:
+    if "\\x" not in text:
+        return text
+    return _ESC.sub(lambda m: chr(int(m.group(1), 16)), text)
+
+
+def parse_record(raw: str) -> KmsgRecord | None:
+    """Parses one record (its first line; continuation lines are dropped). None for a blank line.
+    A line without a valid kmsg header comes back as a plain-text record with facility None."""
+    line = raw.split("\n", 1)[0].rstrip("\r")
+    if not line.strip():
+        return None
+    head, sep, text = line.partition(";")
+    if sep:
+        fields = head.split(",")
+        if len(fields) >= 4:
+            try:
+                prio, seq, usec = int(fields[0]), int(fields[1]), int(fields[2])
+            except ValueError:
+                pass
+            else:
+                if prio >= 0 and seq >= 0 and usec >= 0:
+                    return KmsgRecord(prio >> 3, prio & 7, seq, usec, unescape(text))
+    return KmsgRecord(None, None, None, None, line)
+
+
+def format_record(text: str, seq: int, usec: int = 0, facility: int = KERNEL_FACILITY, level: int = 4) -> str:
+    """The inverse of parse_record, as the kernel writes it (used by the simulated host and tests)."""
+    escaped = "".join(
+        c if (32 <= ord(c) < 127 and c != "\\") else f"\\x{ord(c):02x}" for c in text
+    )
+    return f"{facility << 3 | level},{seq},{usec},-;{escaped}\n"
+
+
+class KmsgUnavailable(OSError):
+    """The kernel log could not be opened or read."""
+
+
+class KmsgSource:
+    """Reads records incrementally. On the char device it reads the whole ring buffer first (all
+    records since boot), then only new ones; a regular file is read the same way from its start
+    and then followed as it grows (a file that shrinks is read again from the start)."""
+
+    def __init__(self, path: str, trust_user: bool = False) -> None:
+        self.path = path
+        self.trust_user = trust_user
+        self.fd: int | None = None
+        self.is_device = False
+        self.last_seq: int | None = None
+        self.lost_records = 0  # total since start
+        self.records_read = 0
+        self._buf = b""
+        self._offset = 0
+        self._ino: int | None = None
+
+    def open(self) -> None:
+        self.close()
+        try:
+            st = os.stat(self.path)
+            self.is_device = stat.S_ISCHR(st.st_mode)
+            flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+            self.fd = os.open(self.path, flags)
+        except OSError as e:
+            raise KmsgUnavailable(e.errno, f"cannot open kernel log {self.path}: {e.strerror}") from e
+        self._ino = st.st_ino
+        self._offset = 0
+        self._buf = b""
+
+    def close(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            finally:
+                self.fd = None
+
+    def fileno(self) -> int:
+        if self.fd is None:
+            raise KmsgUnavailable(errno.EBADF, "kernel log not open")
+        return self.fd
+
+    def read_available(self, max_records: int = 1_000_000) -> tuple[list[KmsgRecord], int]:
+        """Returns (records that count, records lost since the last call). Never blocks."""
+        if self.fd is None:
+            self.open()
+        before = self.lost_records
+        out = self._read_device(max_records) if self.is_device else self._read_file(max_records)
+        return out, self.lost_records - before
+
+    def wait(self, timeout: float) -> bool:
+        """Blocks until new data may be there (select() on the device; a cheap size check on a file)."""
+        if self.fd is None:
+            self.open()
+        if self.is_device:
+            r, _, _ = select.select([self.fileno()], [], [], timeout)
+            return bool(r)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                st = os.stat(self.path)
+            except OSError:
+                return True  # let the reader report it
+            if st.st_size != self._offset or st.st_ino != self._ino:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.02, left))
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _accept(self, rec: KmsgRecord | None, out: list[KmsgRecord]) -> None:
+        if rec is None:
+            return
+        if rec.seq is not None:
+            if self.last_seq is not None and rec.seq > self.last_seq + 1:
+                self.lost_records += rec.seq - self.last_seq - 1
+            self.last_seq = rec.seq
+        self.records_read += 1
+        if rec.facility is None:
+            # Plain text only comes from a regular file an operator pointed us at (a saved dmesg).
+            if not self.is_device:
+                out.append(rec)
+        elif rec.from_kernel or self.trust_user:
+            out.append(rec)
+
+    def _read_device(self, max_records: int) -> list[KmsgRecord]:
+        out: list[KmsgRecord] = []
+        fd = self.fileno()
+        while len(out) < max_records:
+            try:
+                data = os.read(fd, READ_SIZE)
+            except BlockingIOError:
+                break
+            except OSError as e:
+                if e.errno == errno.EPIPE:
+                    continue  # overwritten records: the next record's seq shows the gap
+                if e.errno == errno.EINTR:
+                    continue
+                raise KmsgUnavailable(e.errno, f"reading {self.path}: {e.strerror}") from e
+            if not data:
+                break
+            self._accept(parse_record(data.decode("utf-8", "replace")), out)
+        return out
+
+    def _read_file(self, max_records: int) -> list[KmsgRecord]:
+        out: list[KmsgRecord] = []
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            raise KmsgUnavailable(e.errno, f"kernel log {self.path} disappeared: {e.strerror}") from e
+        if st.st_ino != self._ino or st.st_size < self._offset:
+            self.open()  # replaced or truncated: read it again from the start
+            self.last_seq = None
+        fd = self.fileno()
+        while len(out) < max_records:
+            try:
+                chunk = os.pread(fd, FILE_CHUNK, self._offset)
+            except OSError as e:
+                raise KmsgUnavailable(e.errno, f"reading {self.path}: {e.strerror}") from e
+            if not chunk:
+                break
+            self._offset += len(chunk)
+            data = self._buf + chunk
+            lines = data.split(b"\n")
+            self._buf = lines.pop()  # partial last line: wait for its newline
+            for raw in lines:
+                if raw[:1] == b" ":
+                    continue  # continuation line (KEY=value) of the previous record
+                self._accept(parse_record(raw.decode("utf-8", "replace")), out)
+        return out

@@ -1,0 +1,201 @@
+"""NVML through nvidia-ml-py (module `pynvml`), optional: used when libnvidia-ml loads.
+
+Per GPU: a handle error (GPU lost, reset required, unknown), a GPU recovery action other than none,
+a row-remap failure (pending remaps are reported, not a fault), NVLink links down where the GPU has
+NVLink. Every call runs in a worker thread under a deadline; a call that never returns is abandoned
+and no further NVML call starts while it is stuck."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.model import Check, Finding, PciAddress, Reason
+
+FI_DEV_GET_GPU_RECOVERY_ACTION = 230
+RECOVERY_ACTIONS = {0: "None", 1: "GPU reset", 2: "node reboot", 3: "drain P2P", 4: "drain and reset",
+                    5: "recover IMEX domain", 6: "bus reset", 7: "system reboot"}
+HANDLE_FAULT_CODES = {15: "GPU is lost (fell off the bus)", 16: "GPU requires reset", 999: "unknown error"}
+
+
+class NvmlTimeout(Exception):
+    pass
+
+
+@dataclass
+class NvmlGpu:
+    index: int
+    address: PciAddress | None
+    name: str | None = None
+    mig_enabled: bool = False
+    mig_devices: int = 0
+    nvlink_links: int = 0
+    nvlink_down: list[int] = field(default_factory=list)
+
+
+@dataclass
+class NvmlSnapshot:
+    driver_version: str | None = None
+    gpus: list[NvmlGpu] = field(default_factory=list)
+
+
+class NvmlProbe:
+    """mode: "auto" (use when the library loads, skip otherwise), "on" (required), "off"."""
+
+    def __init__(self, mode: str = "auto", deadline_s: float = 10.0, check_nvlink: bool = True,
+                 nvml: Any = None) -> None:
+        self.mode = mode
+        self.deadline_s = deadline_s
+        self.check_nvlink = check_nvlink
+        self._nvml = nvml
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
+        self._stuck: concurrent.futures.Future[Any] | None = None
+        self._initialized = False
+        self._lock = threading.Lock()
+
+    def _lib(self) -> Any:
+        if self._nvml is None:
+            import pynvml  # nvidia-ml-py
+
+            self._nvml = pynvml
+        return self._nvml
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        if self._stuck is not None and not self._stuck.done():
+            raise NvmlTimeout("a previous NVML call is still blocked")
+        fut = self._pool.submit(fn, *args)
+        try:
+            return fut.result(timeout=self.deadline_s)
+        except concurrent.futures.TimeoutError:
+            self._stuck = fut
+            # The blocked worker cannot be killed; use a fresh pool for later calls once it returns.
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
+            raise NvmlTimeout(f"{getattr(fn, '__name__', 'NVML call')} did not return within "
+                              f"{self.deadline_s:g}s") from None
+
+    def probe(self) -> tuple[list[Finding], NvmlSnapshot | None]:
+        if self.mode == "off":
+            return [], None
+        with self._lock:
+            try:
+                return self._probe()
+            except NvmlTimeout as e:
+                return [Finding.fault(Check.NVML, Reason.NVML_HEALTH, f"NVML hung: {e}", kind="timeout")], None
+
+    def _probe(self) -> tuple[list[Finding], NvmlSnapshot | None]:
+        nv = self._lib()
+        if not self._initialized:
+            try:
+                self._call(nv.nvmlInit)
+                self._initialized = True
+            except nv.NVMLError as e:
+                if self.mode == "auto" and getattr(e, "value", None) in (
+                        getattr(nv, "NVML_ERROR_LIBRARY_NOT_FOUND", 12),
+                        getattr(nv, "NVML_ERROR_DRIVER_NOT_LOADED", 9)):
+                    return [Finding.info(Check.NVML, f"NVML not used: {e}", kind="skipped")], None
+                return [Finding.unchecked(Check.NVML, f"NVML init failed: {e}", kind="init_failed")], None
+        snap = NvmlSnapshot()
+        findings: list[Finding] = []
+        try:
+            snap.driver_version = _text(self._call(nv.nvmlSystemGetDriverVersion))
+            count = self._call(nv.nvmlDeviceGetCount)
+        except nv.NVMLError as e:
+            return [Finding.unchecked(Check.NVML, f"NVML cannot enumerate GPUs: {e}", kind="enumerate")], None
+        for i in range(count):
+            findings += self._probe_gpu(nv, i, snap)
+        return findings, snap
+
+    def _probe_gpu(self, nv: Any, i: int, snap: NvmlSnapshot) -> list[Finding]:
+        out: list[Finding] = []
+        try:
+            h = self._call(nv.nvmlDeviceGetHandleByIndex, i)
+        except nv.NVMLError as e:
+            code = getattr(e, "value", None)
+            what = HANDLE_FAULT_CODES.get(code or -1, str(e))
+            out.append(Finding.fault(Check.NVML, Reason.NVML_HEALTH, f"GPU index {i}: NVML handle error: {what}",
+                                     kind="handle"))
+            snap.gpus.append(NvmlGpu(i, None))
+            return out
+        addr = None
+        gpu = NvmlGpu(i, None)
+        try:
+            pci = self._call(nv.nvmlDeviceGetPciInfo, h)
+            addr = PciAddress.parse(_text(pci.busId))
+            gpu.address = addr
+            gpu.name = _text(self._call(nv.nvmlDeviceGetName, h))
+        except nv.NVMLError as e:
+            code = getattr(e, "value", None)
+            if code in HANDLE_FAULT_CODES:
+                out.append(Finding.fault(Check.NVML, Reason.NVML_HEALTH,
+                                         f"GPU index {i}: {HANDLE_FAULT_CODES[code]}", kind="handle"))
+                snap.gpus.append(gpu)
+                return out
+        snap.gpus.append(gpu)
+        # GPU recovery action (a level signal that survives missed Xids).
+        try:
+            vals = self._call(nv.nvmlDeviceGetFieldValues, h, [FI_DEV_GET_GPU_RECOVERY_ACTION])
+            v = vals[0]
+            if getattr(v, "nvmlReturn", 0) == 0:
+                action = int(getattr(v.value, "uiVal", v.value) if hasattr(v, "value") else 0)
+                if action != 0:
+                    out.append(Finding.fault(Check.NVML, Reason.NVML_HEALTH,
+                                             f"GPU recovery action: {RECOVERY_ACTIONS.get(action, action)}",
+                                             addr, kind="recovery_action"))
+        except nv.NVMLError as e:
+            out += _lost_or_skip(nv, e, addr, "recovery action")
+        # Row remapping (Ampere+; NOT_SUPPORTED with MIG or on older GPUs).
+        try:
+            _corr, _unc, pending, failure = self._call(nv.nvmlDeviceGetRemappedRows, h)
+            if failure:
+                out.append(Finding.fault(Check.NVML, Reason.NVML_HEALTH, "row remapping failed", addr,
+                                         kind="row_remap_failure"))
+            elif pending:
+                out.append(Finding.info(Check.NVML, "row remap pending (activates at the next GPU reset)", addr,
+                                        kind="row_remap_pending"))
+        except nv.NVMLError as e:
+            out += _lost_or_skip(nv, e, addr, "remapped rows")
+        # MIG layout (for the device-plugin accounting).
+        try:
+            current, _pending = self._call(nv.nvmlDeviceGetMigMode, h)
+            gpu.mig_enabled = current == getattr(nv, "NVML_DEVICE_MIG_ENABLE", 1)
+            if gpu.mig_enabled:
+                for k in range(self._call(nv.nvmlDeviceGetMaxMigDeviceCount, h)):
+                    try:
+                        self._call(nv.nvmlDeviceGetMigDeviceHandleByIndex, h, k)
+                        gpu.mig_devices += 1
+                    except nv.NVMLError:
+                        continue
+        except nv.NVMLError:
+            pass
+        if self.check_nvlink:
+            out += self._nvlink(nv, h, gpu, addr)
+        return out
+
+    def _nvlink(self, nv: Any, h: Any, gpu: NvmlGpu, addr: PciAddress | None) -> list[Finding]:
+        for link in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)):
+            try:
+                state = self._call(nv.nvmlDeviceGetNvLinkState, h, link)
+            except nv.NVMLError:
+                break  # NOT_SUPPORTED on link 0: no NVLink; on link k: end of links
+            gpu.nvlink_links += 1
+            if state != getattr(nv, "NVML_FEATURE_ENABLED", 1):
+                gpu.nvlink_down.append(link)
+        if gpu.nvlink_down:
+            return [Finding.fault(Check.NVML, Reason.NVML_HEALTH,
+                                  f"NVLink down: {len(gpu.nvlink_down)} of {gpu.nvlink_links} links "
+                                  f"({', '.join(map(str, gpu.nvlink_down))})", addr, kind="nvlink_down")]
+        return []
+
+
+def _lost_or_skip(nv: Any, e: Exception, addr: PciAddress | None, what: str) -> list[Finding]:
+    code = getattr(e, "value", None)
+    if code in HANDLE_FAULT_CODES:
+        return [Finding.fault(Check.NVML, Reason.NVML_HEALTH, f"{what}: {HANDLE_FAULT_CODES[code]}", addr,
+                              kind="handle")]
+    return []  # NOT_SUPPORTED and friends: the feature is absent, not a fault
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -1,0 +1,64 @@
+"""Counting NVIDIA GPUs in sysfs: vendor 0x10de, class 0x0300xx (VGA) or 0x0302xx (3D controller),
+not an SR-IOV virtual function (`physfn` link) and not bound to vfio-pci. Audio, USB, UCSI and
+NVSwitch functions are NVIDIA functions but not GPUs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.model import Check, Finding, PciAddress
+
+NVIDIA_VENDOR = 0x10DE
+GPU_CLASSES = (0x0300, 0x0302)
+
+
+@dataclass(frozen=True)
+class PciGpu:
+    address: PciAddress
+    sysfs_name: str
+    device_id: int
+    driver: str | None
+
+
+def _read_hex(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip(), 16)
+    except (OSError, ValueError):
+        return None
+
+
+def list_pci_gpus(sysfs_root: str = "/sys") -> list[PciGpu]:
+    """Raises OSError when the PCI device directory cannot be read at all."""
+    base = Path(sysfs_root) / "bus" / "pci" / "devices"
+    gpus = []
+    for entry in sorted(os.listdir(base)):
+        dev = base / entry
+        if _read_hex(dev / "vendor") != NVIDIA_VENDOR:
+            continue
+        cls = _read_hex(dev / "class")
+        if cls is None or (cls >> 8) not in GPU_CLASSES:
+            continue
+        if (dev / "physfn").exists():
+            continue  # SR-IOV virtual function
+        driver = os.path.basename(os.readlink(dev / "driver")) if (dev / "driver").is_symlink() else None
+        if driver == "vfio-pci":
+            continue  # passed through to a VM: intentionally not advertised
+        addr = PciAddress.parse(entry)
+        if addr is None:
+            continue
+        gpus.append(PciGpu(addr, entry, _read_hex(dev / "device") or 0, driver))
+    return gpus
+
+
+def probe_pci(sysfs_root: str = "/sys") -> tuple[list[Finding], list[PciGpu] | None]:
+    try:
+        gpus = list_pci_gpus(sysfs_root)
+    except OSError as e:
+        return [Finding.unchecked(Check.PCI, f"cannot read PCI devices under {sysfs_root}: {e.strerror}")], None
+    findings = []
+    for g in gpus:
+        if g.driver is None:
+            findings.append(Finding.info(Check.PCI, "GPU has no driver bound", g.address, kind="no_driver"))
+    return findings, gpus

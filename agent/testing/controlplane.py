@@ -1,0 +1,183 @@
+"""A real kube-apiserver + etcd on free loopback ports, for tests and `make demo`.
+
+Binaries come from tools/k8s-testbin/build.sh (cached under ~/.cache/gpu-ready-testbin). Flags follow
+controller-runtime's envtest: RBAC (and Node) authorization, a static admin token, service-account
+token signing so that TokenRequest works without a controller-manager."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.kube import ApiError, KubeApi
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def testbin_dir() -> Path | None:
+    env = os.environ.get("GPU_READY_TESTBIN_DIR")
+    if env:
+        return Path(env)
+    versions = REPO / "tools" / "k8s-testbin" / "versions.env"
+    gomod = REPO / "tools" / "k8s-testbin" / "go.mod"
+    if not versions.exists():
+        return None
+    vals = dict(line.split("=", 1) for line in versions.read_text().splitlines() if "=" in line
+                and not line.startswith("#"))
+    k8s, helm = vals["K8S_VERSION"].strip('"'), vals["HELM_VERSION"].strip('"')
+    etcd = next(ln.split()[1] for ln in gomod.read_text().splitlines()
+                if ln.strip().startswith("go.etcd.io/etcd/server/v3 v"))
+    root = Path(os.environ.get("GPU_READY_TESTBIN") or
+                Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpu-ready-testbin")
+    return root / f"k8s-{k8s}-etcd-{etcd}-helm-{helm}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ControlPlane:
+    def __init__(self, bin_dir: Path | None = None, workdir: str | None = None) -> None:
+        self.bin_dir = bin_dir or testbin_dir()
+        if self.bin_dir is None or not (self.bin_dir / "kube-apiserver").exists():
+            raise FileNotFoundError(f"kube-apiserver not found in {self.bin_dir}; run tools/k8s-testbin/build.sh")
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="gpu-ready-cp-"))
+        self.admin_token = secrets.token_hex(16)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.host = ""
+        self.ca_file = str(self.workdir / "certs" / "apiserver.crt")
+        self.apiserver_log = self.workdir / "kube-apiserver.log"
+        self.etcd_log = self.workdir / "etcd.log"
+        self.start_seconds = 0.0
+        self.port = 0
+        self._etcd_args: list[str] = []
+        self._api_args: list[str] = []
+
+    def start(self, timeout_s: float = 90.0) -> ControlPlane:
+        t0 = time.monotonic()
+        w = self.workdir
+        (w / "certs").mkdir(parents=True, exist_ok=True)
+        sa_key = w / "sa.key"
+        if not sa_key.exists():
+            subprocess.run(["openssl", "genrsa", "-out", str(sa_key), "2048"], check=True,
+                           capture_output=True)
+        (w / "tokens.csv").write_text(f"{self.admin_token},admin,admin-uid,system:masters\n")
+        ep, pp, self.port = free_port(), free_port(), free_port()
+        self.host = f"https://127.0.0.1:{self.port}"
+        self._etcd_args = [
+            str(self.bin_dir / "etcd"), f"--data-dir={w / 'etcd'}",
+            f"--listen-client-urls=http://127.0.0.1:{ep}", f"--advertise-client-urls=http://127.0.0.1:{ep}",
+            f"--listen-peer-urls=http://127.0.0.1:{pp}", f"--initial-advertise-peer-urls=http://127.0.0.1:{pp}",
+            f"--initial-cluster=default=http://127.0.0.1:{pp}",
+            "--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=1073741824",
+        ]
+        self._api_args = [
+            str(self.bin_dir / "kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{ep}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.port}",
+            f"--cert-dir={w / 'certs'}", "--service-cluster-ip-range=10.0.0.0/24",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            f"--service-account-key-file={sa_key}", f"--service-account-signing-key-file={sa_key}",
+            "--authorization-mode=Node,RBAC", f"--token-auth-file={w / 'tokens.csv'}",
+            "--disable-admission-plugins=ServiceAccount", "--enable-priority-and-fairness=false",
+            "--allow-privileged=true", "--profiling=false", "--v=1",
+        ]
+        self._spawn_etcd()
+        self._spawn_apiserver()
+        self.wait_ready(timeout_s)
+        self.start_seconds = time.monotonic() - t0
+        return self
+
+    def _spawn(self, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+        fh = open(log, "ab")  # noqa: SIM115 - owned by the child
+        p = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        fh.close()
+        self.procs.append(p)
+        return p
+
+    def _spawn_etcd(self) -> None:
+        self.etcd = self._spawn(self._etcd_args, self.etcd_log)
+
+    def _spawn_apiserver(self) -> None:
+        self.apiserver = self._spawn(self._api_args, self.apiserver_log)
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        api = self.admin()
+        last = ""
+        try:
+            while time.monotonic() < deadline:
+                if self.apiserver.poll() is not None:
+                    raise RuntimeError(f"kube-apiserver exited with {self.apiserver.returncode}:\n{self.log_tail()}")
+                try:
+                    api.request("GET", "/readyz", timeout_s=2)
+                    return
+                except ApiError as e:
+                    last = str(e)
+                time.sleep(0.25)
+        finally:
+            api.close()
+        raise TimeoutError(f"kube-apiserver not ready after {timeout_s}s ({last}):\n{self.log_tail()}")
+
+    def admin(self, **kw: Any) -> KubeApi:
+        return KubeApi.from_token(self.host, self.admin_token, self.ca_file, **kw)
+
+    def kubeconfig(self, path: Path, token: str | None = None, user: str = "admin") -> Path:
+        path.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: t\n"
+            f"clusters:\n- name: t\n  cluster:\n    server: {self.host}\n    certificate-authority: {self.ca_file}\n"
+            f"users:\n- name: {user}\n  user:\n    token: {token or self.admin_token}\n"
+            f"contexts:\n- name: t\n  context:\n    cluster: t\n    user: {user}\n"
+        )
+        return path
+
+    def stop_apiserver(self) -> None:
+        _terminate(self.apiserver)
+
+    def restart_apiserver(self, timeout_s: float = 60.0) -> None:
+        self._spawn_apiserver()
+        self.wait_ready(timeout_s)
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.apiserver_log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no apiserver log)"
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            _terminate(p)
+        self.procs.clear()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> ControlPlane:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _terminate(p: subprocess.Popen[bytes]) -> None:
+    if p.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)

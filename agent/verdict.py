@@ -1,0 +1,125 @@
+"""The one place that decides readiness: findings + latched faults -> Verdict. Pure: no I/O, no clock."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from agent.model import (
+    FAULT_REASONS,
+    Counts,
+    Finding,
+    GpuIdentity,
+    GpuStatus,
+    LatchedFault,
+    Observation,
+    PciAddress,
+    Reason,
+    Severity,
+    Status,
+    Verdict,
+)
+
+MESSAGE_LIMIT = 1000  # bytes; the condition message stays under 1 KiB
+
+
+def gpu_label(addr: PciAddress | None, gpus: dict[PciAddress, GpuIdentity]) -> str:
+    if addr is None:
+        return "node"
+    ident = gpus.get(addr)
+    if ident is not None and ident.index is not None:
+        return f"GPU {ident.index} ({addr.nvml})"
+    return f"GPU {addr.nvml}"
+
+
+def count_mismatches(c: Counts, expected: int | None) -> list[str]:
+    out = []
+    if c.pci is not None and c.nvidia_smi is not None and c.pci != c.nvidia_smi:
+        out.append(f"PCI shows {c.pci} GPUs, nvidia-smi {c.nvidia_smi}")
+    if c.pci is not None and c.plugin_physical is not None and c.pci != c.plugin_physical:
+        out.append(f"PCI shows {c.pci} GPUs, the device plugin serves {c.plugin_physical}")
+    if expected is not None:
+        seen = [n for n in (c.pci, c.nvidia_smi) if n is not None]
+        if seen and min(seen) < expected:
+            out.append(f"expected {expected} GPUs, found {min(seen)}")
+    return out
+
+
+def _truncate(parts: list[str], limit: int = MESSAGE_LIMIT) -> str:
+    msg = "; ".join(parts)
+    if len(msg.encode()) <= limit:
+        return msg
+    out: list[str] = []
+    for i, p in enumerate(parts):
+        tail = f" (+{len(parts) - i} more)"
+        candidate = "; ".join([*out, p])
+        if len(candidate.encode()) + len(tail) > limit:
+            s = "; ".join(out) + tail if out else p.encode()[: limit - len(tail) - 1].decode("utf-8", "ignore") + "…"
+            return s
+        out.append(p)
+    return "; ".join(out)
+
+
+def decide(obs: Observation, latched: Sequence[LatchedFault] = (), *,
+           preflight_required: bool = False, preflight_passed: bool = True) -> Verdict:
+    gpus = obs.gpus
+    by_reason: dict[Reason, list[str]] = {}
+    problems: dict[PciAddress, list[str]] = {}
+    unchecked: list[Finding] = []
+
+    def add(reason: Reason, text: str, addr: PciAddress | None) -> None:
+        label = gpu_label(addr, gpus)
+        by_reason.setdefault(reason, []).append(f"{label}: {text}" if addr is not None else text)
+        if addr is not None:
+            problems.setdefault(addr, []).append(f"{reason.value}: {text}")
+
+    for lf in sorted(latched, key=lambda f: (f.since, f.key)):
+        what = {"sxid": f"fatal SXid {lf.xid} on NVSwitch {lf.raw_address}",
+                "fallen_off_bus": "fell off the bus"}.get(lf.source, f"Xid {lf.xid}")
+        if lf.source == "xid" and lf.gpu is not None and lf.gpu not in gpus:
+            what += " (address matches no known GPU)"
+        add(Reason.FATAL_XID, what, lf.gpu)
+
+    smi_ran = True
+    for f in obs.findings:
+        if f.severity is Severity.FAULT and f.reason is not None:
+            add(f.reason, f.message, f.gpu)
+            if f.check.value == "nvidia_smi" and f.gpu is None:
+                smi_ran = False
+        elif f.severity is Severity.UNCHECKED:
+            unchecked.append(f)
+            if f.check.value == "nvidia_smi":
+                smi_ran = False
+
+    for text in count_mismatches(obs.counts, obs.expected_gpus):
+        by_reason.setdefault(Reason.GPU_COUNT_MISMATCH, []).append(text)
+    if obs.counts.nvidia_smi is not None:
+        smi_addrs = {a for a, g in gpus.items() if g.index is not None}
+        for addr in gpus:
+            if addr not in smi_addrs and obs.counts.pci is not None:
+                problems.setdefault(addr, []).append("GPUCountMismatch: on PCI but not in nvidia-smi")
+
+    if preflight_required and not preflight_passed:
+        by_reason.setdefault(Reason.PREFLIGHT_NOT_PASSED, []).append("node is not labelled preflight=passed")
+
+    reasons = tuple(r for r in FAULT_REASONS if r in by_reason)
+    if reasons:
+        status, reason = Status.FALSE, reasons[0]
+        parts = [f"{r.value}: " + ", ".join(by_reason[r]) for r in reasons]
+        if unchecked:
+            parts.append("could not check: " + ", ".join(f.message for f in unchecked))
+    elif unchecked:
+        status, reason, reasons = Status.UNKNOWN, Reason.CHECK_FAILED, (Reason.CHECK_FAILED,)
+        parts = ["CheckFailed: " + ", ".join(f"{f.check.value}: {f.message}" for f in unchecked)]
+    else:
+        status, reason, reasons = Status.TRUE, Reason.GPUS_HEALTHY, (Reason.GPUS_HEALTHY,)
+        n = obs.counts.nvidia_smi if obs.counts.nvidia_smi is not None else len(gpus)
+        parts = [f"{n} GPUs healthy"]
+
+    rows = []
+    for addr in sorted(set(gpus) | set(problems)):
+        ident = gpus.get(addr, GpuIdentity(addr))
+        probs = tuple(problems.get(addr, ()))
+        healthy: bool | None = False if probs else (True if smi_ran else None)
+        rows.append(GpuStatus(ident.index, addr.nvml, ident.name, healthy, probs))
+    rows.sort(key=lambda r: (r.index is None, r.index if r.index is not None else 0, r.pci_bus_id))
+    return Verdict(status, reason, _truncate(parts), tuple(rows), reasons, obs.counts)

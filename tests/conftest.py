@@ -1,0 +1,104 @@
+"""Shared fixtures: a real kube-apiserver + etcd (session scope), helpers on it, a simulated GPU host."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.kube import ApiError, KubeApi
+from agent.testing.cluster import create_node, service_account_client
+from agent.testing.controlplane import ControlPlane, testbin_dir
+from agent.testing.simhost import SimHost
+
+FIXTURES = Path(os.environ.get("GPU_READY_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+LOCAL_FIXTURES = Path(__file__).parent / "fixtures"
+IN_CI = os.environ.get("CI") == "true"
+
+
+def fixture_path(name: str) -> Path:
+    for base in (LOCAL_FIXTURES, FIXTURES):
+        if (base / name).exists():
+            return base / name
+    raise FileNotFoundError(f"fixture {name} not found in {LOCAL_FIXTURES} or {FIXTURES}")
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[ControlPlane]:
+    bd = testbin_dir()
+    if bd is None or not (bd / "kube-apiserver").exists() or not (bd / "etcd").exists():
+        msg = f"kube-apiserver/etcd not built (looked in {bd}); run tools/k8s-testbin/build.sh"
+        if IN_CI:
+            pytest.fail(msg + " -- under CI=true a missing binary fails the run", pytrace=False)
+        pytest.skip(msg)
+    cp = ControlPlane(bd)
+    try:
+        cp.start()
+    except Exception:
+        cp.stop()
+        raise
+    print(f"\n[control plane] kube-apiserver {cp.host} ready in {cp.start_seconds:.1f}s")
+    yield cp
+    cp.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.failed and call.when == "call":
+        cp = getattr(item, "funcargs", {}).get("control_plane")
+        if cp is None:
+            for v in getattr(item, "funcargs", {}).values():
+                cp = getattr(v, "control_plane", None) or cp
+        if isinstance(cp, ControlPlane):
+            report.sections.append(("kube-apiserver log (tail)", cp.log_tail(80)))
+    return report
+
+
+@pytest.fixture
+def admin(control_plane: ControlPlane) -> Iterator[KubeApi]:
+    api = control_plane.admin()
+    yield api
+    api.close()
+
+
+@pytest.fixture
+def make_node(admin: KubeApi) -> Iterator[Callable[..., str]]:
+    made: list[str] = []
+
+    def _make(labels: dict[str, str] | None = None, capacity: dict[str, str] | None = None,
+              allocatable: dict[str, str] | None = None, name: str | None = None, **kw: Any) -> str:
+        n = name or f"gpu-node-{secrets.token_hex(4)}"
+        create_node(admin, n, labels, capacity, allocatable, **kw)
+        made.append(n)
+        return n
+
+    yield _make
+    for n in made:
+        try:
+            admin.request("DELETE", f"/api/v1/nodes/{n}")
+        except ApiError:
+            pass
+
+
+@pytest.fixture
+def sa_client(admin: KubeApi) -> Iterator[Callable[..., tuple[KubeApi, dict[str, Any]]]]:
+    clients: list[KubeApi] = []
+
+    def _make(**kw: Any) -> tuple[KubeApi, dict[str, Any]]:
+        c, info = service_account_client(admin, **kw)
+        clients.append(c)
+        return c, info
+
+    yield _make
+    for c in clients:
+        c.close()
+
+
+@pytest.fixture
+def simhost(tmp_path: Path) -> SimHost:
+    return SimHost(tmp_path / "host")

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Build the real control plane used by the tests (kube-apiserver + etcd) and the chart/alert
+# tooling (helm, promtool, kubectl), caching everything outside the repo keyed by version.
+# A second run with the same versions costs nothing.
+#
+#   tools/k8s-testbin/build.sh            # build what is missing, print the bin dir
+#   GPU_READY_TESTBIN=/path  ...          # override the cache root
+set -euo pipefail
+export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false
+
+here=$(cd "$(dirname "$0")" && pwd)
+K8S_VERSION=$(awk -F'"' '/^K8S_VERSION=/{print $2}' "$here/versions.env")
+HELM_VERSION=$(awk -F'"' '/^HELM_VERSION=/{print $2}' "$here/versions.env")
+MINOR=$(echo "$K8S_VERSION" | cut -d. -f2)
+ETCD_VERSION=$(awk '$1=="go.etcd.io/etcd/server/v3" && $2 ~ /^v/ {print $2; exit}' "$here/go.mod")
+cache_root=${GPU_READY_TESTBIN:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-ready-testbin}
+bin="$cache_root/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-helm-$HELM_VERSION"
+mkdir -p "$bin"
+log() { echo "[k8s-testbin] $*" >&2; }
+
+build() {  # build <output> <package> [ldflags]
+  local out=$1 pkg=$2 ld=${3:-}
+  if [ -x "$bin/$out" ]; then log "$out: cached"; return; fi
+  log "$out: building $pkg (first time on this machine; cached afterwards)"
+  local start=$SECONDS
+  (cd "$here" && go build -trimpath -ldflags "-s -w $ld" -o "$bin/$out.tmp" "$pkg")
+  mv "$bin/$out.tmp" "$bin/$out"
+  log "$out: built in $((SECONDS - start)) s"
+}
+
+build kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver \
+  "-X k8s.io/component-base/version.gitVersion=v$K8S_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$MINOR"
+build etcd go.etcd.io/etcd/server/v3
+
+if [ ! -x "$bin/helm" ]; then
+  log "helm: go install helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  GOBIN="$bin" go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+fi
+
+# promtool + prometheus from Debian's package, extracted without installing the service.
+if [ ! -x "$bin/promtool" ] || [ ! -x "$bin/prometheus" ]; then
+  if command -v promtool >/dev/null && command -v prometheus >/dev/null; then
+    ln -sf "$(command -v promtool)" "$bin/promtool"; ln -sf "$(command -v prometheus)" "$bin/prometheus"
+  else
+    log "promtool/prometheus: extracting Debian's prometheus package"
+    tmp=$(mktemp -d)
+    (cd "$tmp" && { apt-get download prometheus >/dev/null 2>&1 || { apt-get update -qq >/dev/null && apt-get download prometheus >/dev/null; }; } \
+      && dpkg -x prometheus_*.deb x)
+    cp "$tmp/x/usr/bin/promtool" "$tmp/x/usr/bin/prometheus" "$bin/"
+    rm -rf "$tmp"
+  fi
+fi
+echo "$bin"
