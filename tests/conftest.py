@@ -102,3 +102,28 @@ def sa_client(admin: KubeApi) -> Iterator[Callable[..., tuple[KubeApi, dict[str,
 @pytest.fixture
 def simhost(tmp_path: Path) -> SimHost:
     return SimHost(tmp_path / "host")
+
+
+@pytest.fixture
+def agent_factory(control_plane, admin, simhost, make_node, sa_client) -> Iterator[Callable[..., Any]]:
+    """Makes a GPU Node for the simulated host and runs the real agent for it, as a ServiceAccount with
+    the agent's RBAC (token bound to a Pod on that node)."""
+    from agent.testing.cluster import AGENT_RULES
+    from tests.agent_harness import AgentProc
+
+    procs: list[AgentProc] = []
+
+    def _make(node: str | None = None, start: bool = True, rules: list[dict[str, Any]] | None = None,
+              host: SimHost | None = None, **kw: Any) -> AgentProc:
+        h = host or simhost
+        if node is None:
+            node = make_node(labels={"nvidia.com/gpu.present": "true"}, capacity=h.plugin_resources())
+        _, info = sa_client(rules=rules or AGENT_RULES, pod_on_node=node)
+        p = AgentProc(control_plane, h, node, info["token"], **kw)
+        p.sa = info  # type: ignore[attr-defined]
+        procs.append(p)
+        return p.start() if start else p
+
+    yield _make
+    for p in procs:
+        p.terminate()

@@ -219,7 +219,17 @@ class NvidiaSmiRunner:
         self.timeout_s = timeout_s
         self.reap_grace_s = reap_grace_s
         self._abandoned: subprocess.Popen[bytes] | None = None
+        self._current: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
+
+    def kill_running(self) -> None:
+        """Kills the nvidia-smi in flight, if any (on shutdown)."""
+        p = self._current
+        if p is not None and p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _still_hung(self) -> int | None:
         p = self._abandoned
@@ -244,6 +254,7 @@ class NvidiaSmiRunner:
                 return SmiRun(None, "", 0.0, error=f"nvidia-smi not found at {self.path!r}")
             except OSError as e:
                 return SmiRun(None, "", 0.0, error=f"cannot run {self.path!r}: {e.strerror}")
+            self._current = proc
             try:
                 out, _ = proc.communicate(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:

@@ -1,0 +1,99 @@
+"""Prometheus metrics (prefix gpu_ready_), an API: names and labels are documented in docs/metrics.md.
+Label values are bounded: reasons, checks, Xid numbers, GPU indices and bus ids; never free text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+from agent import __version__
+from agent.model import Reason, Status, Verdict, XidEvent
+
+COUNT_SOURCES = ("pci", "nvidia_smi", "plugin_capacity", "plugin_allocatable", "plugin_physical")
+CHECKS = ("nvidia_smi", "pci", "device_plugin", "nvml", "xid")
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        self.status = Gauge("gpu_ready_status", "1 for the current GPUReady status and reason, 0 for the others",
+                            ["status", "reason"], registry=r)
+        self.gpu_healthy = Gauge("gpu_ready_gpu_healthy", "1 healthy, 0 unhealthy; absent when unknown",
+                                 ["gpu", "pci_bus_id", "name"], registry=r)
+        self.gpus = Gauge("gpu_ready_gpus", "GPUs seen by each source; absent when the source was not read",
+                          ["source"], registry=r)
+        self.xid = Counter("gpu_ready_xid", "Kernel-log GPU errors (Xid, SXid, fallen off the bus)",
+                           ["xid", "pci_bus_id", "fatal"], registry=r)
+        self.latched = Gauge("gpu_ready_latched_faults", "Fatal faults latched until reboot or manual clear",
+                             registry=r)
+        self.check_duration = Histogram("gpu_ready_check_duration_seconds", "Duration of one check",
+                                        ["check"], registry=r,
+                                        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.check_failures = Counter("gpu_ready_check_failures", "Checks that could not run", ["check"],
+                                      registry=r)
+        self.smi_timeouts = Counter("gpu_ready_nvidia_smi_timeouts", "nvidia-smi runs killed at the timeout",
+                                    registry=r)
+        self.kmsg_records = Counter("gpu_ready_kmsg_records", "Kernel-log records read", registry=r)
+        self.kmsg_lost = Counter("gpu_ready_kmsg_lost_records",
+                                 "Kernel-log records overwritten before they were read", registry=r)
+        self.api_requests = Counter("gpu_ready_api_requests", "Kubernetes API requests by verb and HTTP code "
+                                    "(0 = no answer)", ["verb", "code"], registry=r)
+        self.condition_writes = Counter("gpu_ready_condition_writes", "GPUReady condition patches sent",
+                                        registry=r)
+        self.events = Counter("gpu_ready_events", "Kubernetes Events written (create or aggregate patch)",
+                              ["reason"], registry=r)
+        self.last_cycle = Gauge("gpu_ready_last_cycle_timestamp_seconds", "When the last check cycle ended",
+                                registry=r)
+        self.build_info = Gauge("gpu_ready_build_info", "Always 1; the version label says which build",
+                                ["version"], registry=r)
+        self.build_info.labels(__version__).set(1)
+        for c in CHECKS:
+            self.check_failures.labels(c)
+        self.smi_timeouts.inc(0)
+        self._xid_children: dict[tuple[int, str, bool], Any] = {}
+        self._gpu_labels: set[tuple[str, str, str]] = set()
+
+    def observe_xid(self, ev: XidEvent) -> None:
+        key = (ev.xid, ev.raw_address, ev.fatal)
+        child = self._xid_children.get(key)
+        if child is None:
+            child = self._xid_children[key] = self.xid.labels(str(ev.xid), ev.raw_address[:20],
+                                                              "true" if ev.fatal else "false")
+        child.inc()
+
+    def api_request(self, verb: str, code: int) -> None:
+        self.api_requests.labels(verb, str(code)).inc()
+
+    def publish(self, v: Verdict, latched: int) -> None:
+        for s in Status:
+            for r in Reason:
+                self.status.labels(s.value, r.value).set(1 if (s is v.status and r is v.reason) else 0)
+        now = set()
+        for g in v.gpus:
+            key = ("" if g.index is None else str(g.index), g.pci_bus_id, (g.name or "")[:64])
+            if g.healthy is None:
+                continue
+            now.add(key)
+            self.gpu_healthy.labels(*key).set(1 if g.healthy else 0)
+        for key in self._gpu_labels - now:
+            self.gpu_healthy.remove(*key)  # unknown: absent
+        self._gpu_labels = now
+        for src, n in v.counts.as_dict().items():
+            if n is None:
+                try:
+                    self.gpus.remove(src)
+                except KeyError:
+                    pass
+            else:
+                self.gpus.labels(src).set(n)
+        self.latched.set(latched)

@@ -1,0 +1,123 @@
+"""Runs the real `gpu-ready run` as a subprocess against the real apiserver and a simulated host."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent.kube import KubeApi
+from agent.testing.cluster import condition
+from agent.testing.controlplane import ControlPlane, free_port
+from agent.testing.simhost import SimHost
+
+FAST = {"--poll-interval": "0.5", "--heartbeat-interval": "300", "--recovery-polls": "2",
+        "--nvidia-smi-timeout": "5", "--plugin-grace": "0", "--event-interval": "300", "--api-timeout": "5"}
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = pred()
+        except Exception as e:  # keep polling through transient errors
+            last = e
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last!r}")
+
+
+class AgentProc:
+    def __init__(self, cp: ControlPlane, host: SimHost, node: str, token: str | None = None,
+                 extra: dict[str, str] | None = None, workdir: Path | None = None,
+                 kmsg: str | None = None) -> None:
+        self.cp, self.host, self.node = cp, host, node
+        self.workdir = workdir or host.root
+        self.kubeconfig = cp.kubeconfig(self.workdir / f"kubeconfig-{node}", token)
+        self.port = free_port()
+        self.log_path = self.workdir / f"agent-{node}.log"
+        args = [sys.executable, "-m", "agent.cli", "run", "--node-name", node, "--kubeconfig", str(self.kubeconfig),
+                "--metrics-address", f"127.0.0.1:{self.port}", "--log-format", "json", *host.agent_args()]
+        flags = {**FAST, **(extra or {})}
+        if kmsg:
+            flags["--kmsg"] = kmsg
+        for k, v in flags.items():
+            if k in args:
+                args[args.index(k) + 1] = v
+            elif v == "":
+                args.append(k)
+            else:
+                args += [k, v]
+        self.args = args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> AgentProc:
+        fh = open(self.log_path, "ab")  # noqa: SIM115
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(self.args, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, start_new_session=True)
+        fh.close()
+        return self
+
+    def logs(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def http(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=3) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        _, text = self.http("/metrics")
+        total = None
+        for line in text.splitlines():
+            if line.startswith("#") or not line.startswith(name):
+                continue
+            head, _, value = line.rpartition(" ")
+            mname = head.split("{", 1)[0]
+            if mname != name:
+                continue
+            if labels and not all(f'{k}="{v}"' in head for k, v in labels.items()):
+                continue
+            total = (total or 0.0) + float(value)
+        return total
+
+    def terminate(self, timeout: float = 10.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def gpu_ready(self, api: KubeApi) -> dict[str, Any] | None:
+        return condition(api.get_node(self.node), "GPUReady")
+
+    def wait_status(self, api: KubeApi, status: str, reason: str | None = None, timeout: float = 20.0
+                    ) -> dict[str, Any]:
+        def ok() -> dict[str, Any] | None:
+            c = self.gpu_ready(api)
+            if c and c["status"] == status and (reason is None or c["reason"] == reason):
+                return c
+            return None
+        try:
+            return wait_for(ok, timeout, what=f"GPUReady={status} {reason or ''}")  # type: ignore[no-any-return]
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- agent log ---\n{self.logs()[-4000:]}") from None
