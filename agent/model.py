@@ -204,4 +204,8 @@ class LatchedFault:
 
     @property
     def key(self) -> str:
-        return f"{self.source}:{self.xid}:{self.raw_address}"
+        """One fault per Xid number and GPU: an Xid 79 line and the "GPU has fallen off the bus"
+        line that follows it for the same GPU are one fault."""
+        if self.source == "sxid" or self.gpu is None:
+            return f"{self.source}:{self.xid}:{self.raw_address}"
+        return f"gpu:{self.xid}:{self.gpu.nvml}"

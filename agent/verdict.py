@@ -44,19 +44,23 @@ def count_mismatches(c: Counts, expected: int | None) -> list[str]:
     return out
 
 
-def _truncate(parts: list[str], limit: int = MESSAGE_LIMIT) -> str:
-    msg = "; ".join(parts)
-    if len(msg.encode()) <= limit:
-        return msg
-    out: list[str] = []
-    for i, p in enumerate(parts):
-        tail = f" (+{len(parts) - i} more)"
-        candidate = "; ".join([*out, p])
-        if len(candidate.encode()) + len(tail) > limit:
-            s = "; ".join(out) + tail if out else p.encode()[: limit - len(tail) - 1].decode("utf-8", "ignore") + "…"
-            return s
-        out.append(p)
-    return "; ".join(out)
+def render_message(groups: list[tuple[str, list[str]]], limit: int = MESSAGE_LIMIT) -> str:
+    """"Reason: item, item; Reason: item" kept under `limit` bytes; what does not fit is counted."""
+    total = sum(len(items) for _, items in groups)
+    out = ""
+    used = 0
+    for head, items in groups:
+        for i, item in enumerate(items):
+            piece = (f"; {head}: " if out else f"{head}: ") + item if i == 0 else ", " + item
+            tail = f" (+{total - used - 1} more)" if total - used - 1 else ""
+            if len((out + piece + tail).encode()) > limit:
+                if not out:  # a single item longer than the limit
+                    cut = (piece.encode()[: limit - len(tail.encode()) - 4]).decode("utf-8", "ignore")
+                    return cut + "…" + tail
+                return out + f" (+{total - used} more)"
+            out += piece
+            used += 1
+    return out
 
 
 def decide(obs: Observation, latched: Sequence[LatchedFault] = (), *,
@@ -104,16 +108,16 @@ def decide(obs: Observation, latched: Sequence[LatchedFault] = (), *,
     reasons = tuple(r for r in FAULT_REASONS if r in by_reason)
     if reasons:
         status, reason = Status.FALSE, reasons[0]
-        parts = [f"{r.value}: " + ", ".join(by_reason[r]) for r in reasons]
+        groups = [(r.value, by_reason[r]) for r in reasons]
         if unchecked:
-            parts.append("could not check: " + ", ".join(f.message for f in unchecked))
+            groups.append(("could not check", [f.message for f in unchecked]))
     elif unchecked:
         status, reason, reasons = Status.UNKNOWN, Reason.CHECK_FAILED, (Reason.CHECK_FAILED,)
-        parts = ["CheckFailed: " + ", ".join(f"{f.check.value}: {f.message}" for f in unchecked)]
+        groups = [("CheckFailed", [f"{f.check.value}: {f.message}" for f in unchecked])]
     else:
         status, reason, reasons = Status.TRUE, Reason.GPUS_HEALTHY, (Reason.GPUS_HEALTHY,)
         n = obs.counts.nvidia_smi if obs.counts.nvidia_smi is not None else len(gpus)
-        parts = [f"{n} GPUs healthy"]
+        groups = [("", [f"{n} GPUs healthy"])]
 
     rows = []
     for addr in sorted(set(gpus) | set(problems)):
@@ -122,4 +126,5 @@ def decide(obs: Observation, latched: Sequence[LatchedFault] = (), *,
         healthy: bool | None = False if probs else (True if smi_ran else None)
         rows.append(GpuStatus(ident.index, addr.nvml, ident.name, healthy, probs))
     rows.sort(key=lambda r: (r.index is None, r.index if r.index is not None else 0, r.pci_bus_id))
-    return Verdict(status, reason, _truncate(parts), tuple(rows), reasons, obs.counts)
+    message = render_message(groups) if groups[0][0] else groups[0][1][0]
+    return Verdict(status, reason, message, tuple(rows), reasons, obs.counts)

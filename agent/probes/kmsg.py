@@ -17,7 +17,7 @@ import stat
 import time
 from dataclasses import dataclass
 
-_ESC = re.compile(r"\\x([0-9a-fA-F]{2})")
+_ESC = re.compile(rb"\\x([0-9a-fA-F]{2})")
 KERNEL_FACILITY = 0
 READ_SIZE = 8192
 FILE_CHUNK = 1 << 20
@@ -37,9 +37,11 @@ class KmsgRecord:
 
 
 def unescape(text: str) -> str:
+    """The kernel escapes bytes (< 0x20, >= 0x7f and backslash) as \\xNN; multi-byte UTF-8 comes back whole."""
     if "\\x" not in text:
         return text
-    return _ESC.sub(lambda m: chr(int(m.group(1), 16)), text)
+    raw = _ESC.sub(lambda m: bytes([int(m.group(1), 16)]), text.encode("utf-8", "surrogateescape"))
+    return raw.decode("utf-8", "replace")
 
 
 def parse_record(raw: str) -> KmsgRecord | None:
@@ -65,7 +67,7 @@ def parse_record(raw: str) -> KmsgRecord | None:
 def format_record(text: str, seq: int, usec: int = 0, facility: int = KERNEL_FACILITY, level: int = 4) -> str:
     """The inverse of parse_record, as the kernel writes it (used by the simulated host and tests)."""
     escaped = "".join(
-        c if (32 <= ord(c) < 127 and c != "\\") else f"\\x{ord(c):02x}" for c in text
+        chr(b) if (32 <= b < 127 and b != 0x5C) else f"\\x{b:02x}" for b in text.encode("utf-8", "replace")
     )
     return f"{facility << 3 | level},{seq},{usec},-;{escaped}\n"
 

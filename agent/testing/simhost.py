@@ -242,5 +242,10 @@ class SimHost:
         return ["--nvidia-smi", str(self.nvidia_smi), "--sysfs-root", str(self.sysfs), "--kmsg", str(self.kmsg),
                 "--nvml", "off", "--state-dir", str(self.state_dir), "--boot-id-file", str(self.boot_id_file)]
 
+    def check_args(self) -> list[str]:
+        """Flags that point `gpu-ready check` at this host."""
+        return ["--nvidia-smi", str(self.nvidia_smi), "--sysfs-root", str(self.sysfs), "--kmsg", str(self.kmsg),
+                "--nvml", "off"]
+
     def plugin_resources(self, n: int | None = None) -> dict[str, str]:
         return {"nvidia.com/gpu": str(len(self.gpus) if n is None else n)}

@@ -1,0 +1,277 @@
+"""Probes on the simulated host and on plain data: PCI, device plugin, NVML (stand-in library), kmsg."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import types
+
+import pytest
+
+from agent.model import PciAddress, Reason, Severity
+from agent.probes.device_plugin import MigLayout, plugin_counts, plugin_findings
+from agent.probes.kmsg import KmsgSource, KmsgUnavailable, format_record
+from agent.probes.nvidia_smi import NvidiaSmiRunner, probe_nvidia_smi
+from agent.probes.nvml import NvmlProbe
+from agent.probes.pci import list_pci_gpus, probe_pci
+
+# -- PCI ------------------------------------------------------------------------------------------------
+
+
+def test_pci_counts_only_gpus(simhost):
+    # simhost has 8 GPUs plus 8 audio functions, 4 NVSwitches, USB, UCSI and a Mellanox NIC
+    assert len(list_pci_gpus(str(simhost.sysfs))) == 8
+
+
+def test_pci_excludes_virtual_functions_and_vfio(simhost):
+    simhost.add_virtual_function(simhost.gpus[0].address, 0xE0)
+    simhost.add_virtual_function(simhost.gpus[0].address, 0xE1)
+    simhost.bind_vfio(simhost.gpus[7].address)
+    simhost.add_pci_function(PciAddress(0, 0x70, 0), 0, 0x030000, 0x1F08)  # a VGA GPU counts
+    gpus = list_pci_gpus(str(simhost.sysfs))
+    assert len(gpus) == 8
+    assert PciAddress(0, 0x70, 0) in {g.address for g in gpus}
+    assert simhost.gpus[7].address not in {g.address for g in gpus}
+
+
+def test_pci_unreadable_root_is_unchecked(tmp_path):
+    findings, gpus = probe_pci(str(tmp_path / "nope"))
+    assert gpus is None and findings[0].severity is Severity.UNCHECKED
+
+
+# -- device plugin ----------------------------------------------------------------------------------
+
+
+def node(cap, alloc=None, labels=None):
+    return {"metadata": {"labels": labels or {}},
+            "status": {"capacity": {"cpu": "8", **cap}, "allocatable": {"cpu": "8", **(alloc or cap)}}}
+
+
+def test_plugin_none_strategy():
+    pc = plugin_counts(node({"nvidia.com/gpu": "8"}), None)
+    assert (pc.strategy, pc.physical, pc.total_capacity) == ("none", 8, 8)
+
+
+def test_plugin_time_slicing_replicas_from_label_and_renamed_resource():
+    pc = plugin_counts(node({"nvidia.com/gpu": "32"}, labels={"nvidia.com/gpu.replicas": "4"}), None)
+    assert pc.physical == 8
+    pc = plugin_counts(node({"nvidia.com/gpu.shared": "40"}, labels={"nvidia.com/gpu.shared.replicas": "10"}), None)
+    assert pc.physical == 4
+    pc = plugin_counts(node({"nvidia.com/gpu": "80"}), None, replicas=10)
+    assert pc.physical == 8
+
+
+def test_plugin_mig_single():
+    lay = MigLayout(mig_enabled_gpus=8, gpus_with_mig_devices=8, mig_devices=56)
+    pc = plugin_counts(node({"nvidia.com/gpu": "56"}, labels={"nvidia.com/mig.strategy": "single"}), lay)
+    assert pc.physical == 8
+
+
+def test_plugin_mig_mixed():
+    lay = MigLayout(mig_enabled_gpus=2, gpus_with_mig_devices=2, mig_devices=8, full_gpus=6)
+    pc = plugin_counts(node({"nvidia.com/gpu": "6", "nvidia.com/mig-1g.10gb": "4", "nvidia.com/mig-3g.40gb": "4"}),
+                       lay)
+    assert (pc.strategy, pc.physical) == ("mixed", 8)
+    # the plugin lost half the MIG devices: one MIG GPU is missing behind the plugin
+    pc = plugin_counts(node({"nvidia.com/gpu": "6", "nvidia.com/mig-1g.10gb": "4"}), lay)
+    assert pc.physical == 7
+
+
+def test_plugin_unhealthy_and_not_serving():
+    pc = plugin_counts(node({"nvidia.com/gpu": "8"}, {"nvidia.com/gpu": "7"}), None)
+    f = plugin_findings(pc, True, 0)
+    assert [x.kind for x in f] == ["unhealthy_devices"] and "nvidia.com/gpu 1 of 8" in f[0].message
+    gone = plugin_counts(node({}), None)
+    assert [x.kind for x in plugin_findings(gone, True, 0)] == ["not_serving"]
+    assert [x.severity for x in plugin_findings(gone, False, 120)] == [Severity.UNCHECKED]
+    zero = plugin_counts(node({"nvidia.com/gpu": "0"}), None)
+    assert plugin_findings(zero, True, 0)[0].reason is Reason.DEVICE_PLUGIN_UNHEALTHY
+
+
+# -- nvidia-smi runner --------------------------------------------------------------------------------
+
+
+def test_missing_binary_is_could_not_check(tmp_path):
+    f, _, _ = probe_nvidia_smi(NvidiaSmiRunner(str(tmp_path / "missing"), 1))
+    assert f[0].severity is Severity.UNCHECKED and "not found" in f[0].message
+
+
+def test_hung_child_is_killed_at_the_timeout(simhost):
+    simhost.set_smi(hang=True)
+    r = NvidiaSmiRunner(str(simhost.nvidia_smi), timeout_s=0.5)
+    t0 = time.monotonic()
+    f, _, run = probe_nvidia_smi(r)
+    assert time.monotonic() - t0 < 4
+    assert run.timed_out and f[0].kind == "timeout" and f[0].reason is Reason.NVIDIA_SMI_FAILED
+
+
+def test_unreapable_child_is_abandoned_and_no_second_one_starts(simhost, monkeypatch):
+    """A D-state child survives SIGKILL; emulate that by making the kill a no-op."""
+    simhost.set_smi(hang=True, hang_seconds=6)
+    r = NvidiaSmiRunner(str(simhost.nvidia_smi), timeout_s=0.5, reap_grace_s=0.3)
+    monkeypatch.setattr(os, "killpg", lambda *a: None)
+    _, _, run = probe_nvidia_smi(r)
+    assert run.timed_out and run.hung_pid
+    calls = simhost.smi_call_count()
+    f, _, run2 = probe_nvidia_smi(r)
+    assert f[0].kind == "hung" and str(run.hung_pid) in f[0].message
+    assert simhost.smi_call_count() == calls, "no second nvidia-smi while the first lives"
+    monkeypatch.undo()
+    os.kill(run.hung_pid, 9)
+    subprocess.run(["true"])
+    time.sleep(0.3)
+    simhost.set_smi()
+    f, table, _ = probe_nvidia_smi(r)
+    assert table is not None and len(table.gpus) == 8
+
+
+# -- NVML with a stand-in library ------------------------------------------------------------------------
+
+
+class FakeNVMLError(Exception):
+    def __init__(self, value):
+        super().__init__(f"NVML error {value}")
+        self.value = value
+
+
+def fake_nvml(gpus, init_error=None, hang=None):
+    """gpus: list of dicts with busId, handle_error, recovery, remap=(c,u,pending,failure), links=[states]."""
+    m = types.SimpleNamespace(NVMLError=FakeNVMLError, NVML_ERROR_LIBRARY_NOT_FOUND=12,
+                              NVML_ERROR_DRIVER_NOT_LOADED=9, NVML_FEATURE_ENABLED=1, NVML_NVLINK_MAX_LINKS=18,
+                              NVML_DEVICE_MIG_ENABLE=1)
+
+    def call(name, fn):
+        def wrapped(*a):
+            if hang == name:
+                time.sleep(5)
+            return fn(*a)
+        wrapped.__name__ = name
+        setattr(m, name, wrapped)
+
+    def init():
+        if init_error:
+            raise FakeNVMLError(init_error)
+    call("nvmlInit", init)
+    call("nvmlSystemGetDriverVersion", lambda: b"590.48.01")
+    call("nvmlDeviceGetCount", lambda: len(gpus))
+
+    def handle(i):
+        if gpus[i].get("handle_error"):
+            raise FakeNVMLError(gpus[i]["handle_error"])
+        return i
+    call("nvmlDeviceGetHandleByIndex", handle)
+    call("nvmlDeviceGetPciInfo", lambda h: types.SimpleNamespace(busId=gpus[h]["busId"].encode()))
+    call("nvmlDeviceGetName", lambda h: b"NVIDIA H100")
+    call("nvmlDeviceGetFieldValues", lambda h, ids: [types.SimpleNamespace(
+        nvmlReturn=0, value=types.SimpleNamespace(uiVal=gpus[h].get("recovery", 0)))])
+
+    def remap(h):
+        if "remap" not in gpus[h]:
+            raise FakeNVMLError(3)
+        return gpus[h]["remap"]
+    call("nvmlDeviceGetRemappedRows", remap)
+    call("nvmlDeviceGetMigMode", lambda h: (0, 0))
+
+    def link(h, i):
+        links = gpus[h].get("links", [])
+        if i >= len(links):
+            raise FakeNVMLError(3)
+        return links[i]
+    call("nvmlDeviceGetNvLinkState", link)
+    return m
+
+
+def test_nvml_faults_per_gpu():
+    m = fake_nvml([
+        {"busId": "00000000:19:00.0", "remap": (0, 0, 0, 0), "links": [1] * 18},
+        {"busId": "00000000:3B:00.0", "recovery": 1},
+        {"busId": "00000000:4C:00.0", "remap": (0, 4, 1, 0)},
+        {"busId": "00000000:5D:00.0", "remap": (0, 4, 0, 1)},
+        {"busId": "00000000:9B:00.0", "links": [1, 1, 0, 1]},
+        {"busId": "00000000:BB:00.0", "handle_error": 15},
+    ])
+    f, snap = NvmlProbe("auto", nvml=m).probe()
+    kinds = {(x.kind, x.gpu.nvml if x.gpu else None, x.severity.value) for x in f}
+    assert kinds == {
+        ("recovery_action", "00000000:3B:00.0", "fault"),
+        ("row_remap_pending", "00000000:4C:00.0", "info"),
+        ("row_remap_failure", "00000000:5D:00.0", "fault"),
+        ("nvlink_down", "00000000:9B:00.0", "fault"),
+        ("handle", None, "fault"),
+    }
+    assert "GPU index 5: NVML handle error: GPU is lost" in next(x.message for x in f if x.kind == "handle")
+    assert snap.gpus[4].nvlink_down == [2]
+
+
+def test_nvml_library_missing_is_skipped_in_auto_and_unchecked_when_required():
+    f, snap = NvmlProbe("auto", nvml=fake_nvml([], init_error=12)).probe()
+    assert snap is None and [x.severity for x in f] == [Severity.INFO]
+    f, _ = NvmlProbe("on", nvml=fake_nvml([], init_error=12)).probe()
+    assert [x.severity for x in f] == [Severity.UNCHECKED]
+    assert NvmlProbe("off", nvml=fake_nvml([])).probe() == ([], None)
+
+
+def test_nvml_call_under_a_deadline():
+    p = NvmlProbe("auto", deadline_s=0.3, nvml=fake_nvml([{"busId": "00000000:19:00.0"}],
+                                                            hang="nvmlDeviceGetRemappedRows"))
+    t0 = time.monotonic()
+    f, _ = p.probe()
+    assert time.monotonic() - t0 < 2
+    assert f[0].reason is Reason.NVML_HEALTH and "did not return within 0.3s" in f[0].message
+    f, _ = p.probe()  # the stuck call has not returned yet: no new call is started
+    assert "still blocked" in f[0].message
+
+
+def test_real_pynvml_without_a_driver_is_skipped():
+    f, snap = NvmlProbe("auto").probe()  # nvidia-ml-py is installed; libnvidia-ml is not on CI machines
+    if snap is None:
+        assert f and f[0].kind == "skipped"
+
+
+# -- kmsg reader --------------------------------------------------------------------------------------
+
+
+def test_kmsg_file_reads_all_then_follows_and_drops_user_records(tmp_path):
+    p = tmp_path / "kmsg"
+    p.write_text(format_record("NVRM: Xid (PCI:0000:3b:00): 79, x", 1) + " SUBSYSTEM=pci\n DEVICE=+pci:0\n"
+                 + format_record("NVRM: Xid (PCI:0000:3b:00): 79, forged", 2, facility=1))
+    src = KmsgSource(str(p))
+    recs, lost = src.read_available()
+    assert [r.text for r in recs] == ["NVRM: Xid (PCI:0000:3b:00): 79, x"] and lost == 0
+    with open(p, "a") as fh:
+        fh.write(format_record("later", 3)[:5])  # a partial record: wait for its newline
+    assert src.read_available()[0] == []
+    with open(p, "a") as fh:
+        fh.write(format_record("later", 3)[5:])
+    assert [r.text for r in src.read_available()[0]] == ["later"]
+    trusting = KmsgSource(str(p), trust_user=True)
+    assert len(trusting.read_available()[0]) == 3
+
+
+def test_kmsg_seq_gap_counts_lost_records(tmp_path):
+    p = tmp_path / "kmsg"
+    p.write_text(format_record("a", 10) + format_record("b", 11) + format_record("c", 500))
+    src = KmsgSource(str(p))
+    _, lost = src.read_available()
+    assert lost == 488
+
+
+def test_kmsg_escapes_are_decoded(tmp_path):
+    p = tmp_path / "kmsg"
+    p.write_text("3,1,5,-;NVRM: The NVIDIA GPU 0000:b3:00.0\\x0aNVRM: fallen off the bus and is not responding\n")
+    assert "\n" in KmsgSource(str(p)).read_available()[0][0].text
+
+
+def test_kmsg_missing_file_raises_clear_error(tmp_path):
+    with pytest.raises(KmsgUnavailable, match="cannot open kernel log"):
+        KmsgSource(str(tmp_path / "none")).read_available()
+
+
+@pytest.mark.skipif(not os.access("/dev/kmsg", os.R_OK), reason="needs a readable /dev/kmsg")
+def test_real_dev_kmsg_is_read_as_records():
+    src = KmsgSource("/dev/kmsg")
+    recs, _ = src.read_available()
+    src.close()
+    assert src.is_device and src.records_read > 0
+    assert all(r.facility == 0 for r in recs)
