@@ -28,4 +28,4 @@ def setup_logging(fmt: str = "auto", level: str = "info") -> None:
 
 
 def get_logger(**context: object) -> structlog.typing.FilteringBoundLogger:
-    return structlog.get_logger("gpu-ready").bind(**context)  # type: ignore[no-any-return]
+    return structlog.get_logger("gpu-ready").bind(**context)

@@ -206,12 +206,11 @@ class Agent:
                 self.log.warning("level fault", reason=level.reason.value, message=level.message)
             self.bad_obs, self.clean_streak = obs, 0
             self.startup_hold = None
-        elif level.status is Status.TRUE:
-            if self.bad_obs is not None or self.startup_hold is not None:
-                self.clean_streak += 1
-                if self.clean_streak >= self.cfg.recovery_polls:
-                    self.log.info("level signals clean", polls=self.clean_streak)
-                    self.bad_obs, self.startup_hold, self.clean_streak = None, None, 0
+        elif level.status is Status.TRUE and (self.bad_obs is not None or self.startup_hold is not None):
+            self.clean_streak += 1
+            if self.clean_streak >= self.cfg.recovery_polls:
+                self.log.info("level signals clean", polls=self.clean_streak)
+                self.bad_obs, self.startup_hold, self.clean_streak = None, None, 0
         if node is not None and self.cfg.require_preflight:
             labels = (node.get("metadata") or {}).get("labels") or {}
             self.preflight_passed = labels.get(self.cfg.preflight_label) == "passed"
@@ -261,7 +260,7 @@ class Agent:
         hold = self.startup_hold
         if hold is not None and v.status is Status.TRUE:
             try:
-                reason = Reason(hold.get("reason"))
+                reason = Reason(str(hold.get("reason")))
             except ValueError:
                 reason = Reason.CHECK_FAILED
             v = Verdict(Status.FALSE, reason, str(hold.get("message", ""))[:1000], v.gpus, (reason,), v.counts)

@@ -106,8 +106,9 @@ def test_fatal_xid(check_node, simhost):
 
 def test_node_json_and_no_node(simhost, tmp_path):
     saved = tmp_path / "node.json"
+    gpus = {"nvidia.com/gpu": "8"}
     saved.write_text(json.dumps({"kind": "Node", "metadata": {"name": "n"},
-                                 "status": {"capacity": {"nvidia.com/gpu": "8"}, "allocatable": {"nvidia.com/gpu": "8"}}}))
+                                 "status": {"capacity": gpus, "allocatable": gpus}}))
     rc, out = run_check(simhost, "--node-json", str(saved))
     assert rc == 0 and out["counts"]["plugin_physical"] == 8
     rc, out = run_check(simhost)

@@ -105,3 +105,10 @@ def test_event_storm_is_bounded_and_aggregated():
     assert r.flush() == 0  # nothing new: nothing written
     r.record("FatalXid", "again", gpu="0000:3b:00")
     assert r.flush() == 1 and api.calls[-1][0] == "create"
+
+
+def test_configuration_doc_lists_every_setting():
+    from pathlib import Path
+    doc = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    for s in config.SETTINGS:
+        assert f"| `{s.flag}` | `{s.env_name}`" in doc and f"`{s.file_key}`" in doc, s.name

@@ -114,7 +114,7 @@ def test_unreapable_child_is_abandoned_and_no_second_one_starts(simhost, monkeyp
     _, _, run = probe_nvidia_smi(r)
     assert run.timed_out and run.hung_pid
     calls = simhost.smi_call_count()
-    f, _, run2 = probe_nvidia_smi(r)
+    f, _, _run2 = probe_nvidia_smi(r)
     assert f[0].kind == "hung" and str(run.hung_pid) in f[0].message
     assert simhost.smi_call_count() == calls, "no second nvidia-smi while the first lives"
     monkeypatch.undo()

@@ -120,3 +120,10 @@ def test_unknown_xid_policy_is_configurable():
 def test_conflicting_lists_are_rejected():
     with pytest.raises(ValueError, match="both"):
         XidClassifier(fatal=[79], ignore=[79])
+
+
+def test_docs_table_matches_the_catalog():
+    from pathlib import Path
+    doc = (Path(__file__).parents[1] / "docs" / "xid-policy.md").read_text()
+    for e in load_catalog().values():
+        assert f"| {e.xid} | {e.name} | {e.action} | {'yes' if e.fatal else 'no'} |" in doc, e.xid

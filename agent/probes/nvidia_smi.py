@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from agent.model import Check, Finding, PciAddress, Reason
 
 BUS_ID = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]"
-GPU_ROW_RE = re.compile(rf"^\|\s*(?P<index>\d+)\s+(?P<rest>.*?)\|\s*(?P<bus>{BUS_ID})\b(?P<disp>[^|]*)\|(?P<c3>[^|]*)\|")
+GPU_ROW_RE = re.compile(
+    rf"^\|\s*(?P<index>\d+)\s+(?P<rest>.*?)\|\s*(?P<bus>{BUS_ID})\b(?P<disp>[^|]*)\|(?P<c3>[^|]*)\|"
+)
 MIG_ROW_RE = re.compile(r"^\|\s*(?P<gpu>\d+)\s+(?P<gi>\d+)\s+(?P<ci>\d+)\s+(?P<dev>\d+)\s*\|")
 DRIVER_RE = re.compile(r"(?:Driver|KMD) Version:\s*(?P<v>[0-9][0-9.]*)")
 CUDA_RE = re.compile(r"CUDA (?:UMD )?Version:\s*(?P<v>[0-9][0-9.]*)")

@@ -25,10 +25,10 @@ class HealthServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    encoder, ctype = choose_encoder(self.headers.get("Accept"))
+                    encoder, ctype = choose_encoder(self.headers.get("Accept") or "")
                     body = encoder(registry)
                     self._send(200, body, ctype)
                 elif path in ("/healthz", "/livez"):
@@ -47,7 +47,7 @@ class HealthServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)

@@ -49,9 +49,10 @@ def free_port() -> int:
 
 class ControlPlane:
     def __init__(self, bin_dir: Path | None = None, workdir: str | None = None) -> None:
-        self.bin_dir = bin_dir or testbin_dir()
-        if self.bin_dir is None or not (self.bin_dir / "kube-apiserver").exists():
-            raise FileNotFoundError(f"kube-apiserver not found in {self.bin_dir}; run tools/k8s-testbin/build.sh")
+        found = bin_dir or testbin_dir()
+        if found is None or not (found / "kube-apiserver").exists():
+            raise FileNotFoundError(f"kube-apiserver not found in {found}; run tools/k8s-testbin/build.sh")
+        self.bin_dir: Path = found
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="gpu-ready-cp-"))
         self.admin_token = secrets.token_hex(16)
