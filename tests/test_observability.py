@@ -1,0 +1,170 @@
+"""Alert rules (real promtool), the dashboard, the metrics API, and a real Prometheus scraping the agent."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agent.testing.controlplane import free_port, testbin_dir
+from tests.agent_harness import wait_for
+from tests.conftest import IN_CI
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = ROOT / "deploy" / "prometheus" / "gpu-ready.rules.yaml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "gpu-ready-dashboard.json"
+DOC_METRICS = ROOT / "docs" / "metrics.md"
+
+
+def tool(name: str) -> str:
+    bd = testbin_dir()
+    path = bd / name if bd else None
+    if path is None or not path.exists():
+        msg = f"{name} not found in {bd}; run tools/k8s-testbin/build.sh"
+        if IN_CI:
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg)
+    return str(path)
+
+
+def test_promtool_check_rules():
+    r = subprocess.run([tool("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS: 6 rules found" in r.stdout
+
+
+def test_promtool_unit_tests_each_alert_fires_and_not():
+    r = subprocess.run([tool("promtool"), "test", "rules", "gpu-ready.rules.test.yaml"], capture_output=True,
+                       text=True, cwd=ROOT / "tests" / "prometheus")
+    assert r.returncode == 0, r.stdout + r.stderr
+    tests = yaml.safe_load((ROOT / "tests" / "prometheus" / "gpu-ready.rules.test.yaml").read_text())["tests"]
+    for alert in ("GPUNodeNotReady", "GPUFatalXid", "GPUCountMismatch", "GPUReadyUnknown", "GPUReadyAgentDown",
+                  "NvidiaSmiHung"):
+        cases = [c for t in tests for c in t["alert_rule_test"] if c["alertname"] == alert]
+        assert any(c["exp_alerts"] for c in cases), f"{alert}: no firing case"
+        assert any(not c["exp_alerts"] for c in cases) or alert == "GPUReadyAgentDown", f"{alert}: no silent case"
+
+
+def test_every_alert_has_summary_description_runbook():
+    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
+    runbooks = (ROOT / "docs" / "runbooks.md").read_text()
+    for r in rules:
+        a = r["annotations"]
+        assert a["summary"] and "{{ $labels.node }}" in a["description"]
+        anchor = a["runbook_url"].rsplit("#", 1)[1]
+        assert f"## {r['alert']}" in runbooks and anchor == r["alert"].lower()
+
+
+def exported_names() -> set[str]:
+    from prometheus_client import generate_latest
+
+    from agent.model import Counts, GpuStatus, Reason, Status, Verdict, XidEvent
+    from agent.report.metrics import Metrics
+    m = Metrics()
+    m.publish(Verdict(Status.TRUE, Reason.GPUS_HEALTHY, "ok", (GpuStatus(0, "00000000:19:00.0", "H100", True),),
+                      (Reason.GPUS_HEALTHY,), Counts(8, 8, 8, 8, 8)), 0)
+    m.observe_xid(XidEvent(79, None, "0000:19:00", True, "t"))
+    m.api_request("GET", 200)
+    m.events.labels("FatalXid").inc()
+    m.check_duration.labels("pci").observe(0.01)
+    text = generate_latest(m.registry).decode()
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_rules_dashboard_and_docs_use_only_exported_metrics():
+    names = exported_names() | {"up"}
+    used = set(re.findall(r"\b(gpu_ready_[a-z_]+)", RULES.read_text() + DASHBOARD.read_text()))
+    assert used and used <= names, f"unknown metrics: {sorted(used - names)}"
+    documented = set(re.findall(r"`(gpu_ready_[a-z_]+)", DOC_METRICS.read_text()))
+    ours = {n for n in names if n.startswith("gpu_ready_")}
+    base = {re.sub(r"_(bucket|sum|count)$", "", n) for n in ours}
+    assert base <= documented | {n + "_total" for n in documented}, f"undocumented: {sorted(base - documented)}"
+
+
+def test_dashboard_has_the_panels():
+    d = json.loads(DASHBOARD.read_text())
+    exprs = " ".join(t["expr"] for p in d["panels"] for t in p["targets"])
+    for metric in ("gpu_ready_status", "gpu_ready_gpu_healthy", "gpu_ready_xid_total", "gpu_ready_gpus",
+                   "gpu_ready_check_duration_seconds_bucket"):
+        assert metric in exprs
+
+
+def test_label_values_are_bounded():
+    from prometheus_client import generate_latest
+
+    from agent.model import Check, Counts, Finding, GpuIdentity, Observation, PciAddress, Reason
+    from agent.report.metrics import Metrics
+    from agent.verdict import decide
+    m = Metrics()
+    a = PciAddress(0, 0x19, 0)
+    long = "x" * 500
+    v = decide(Observation([Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, long, a)],
+                           {a: GpuIdentity(a, 0, "H100")}, Counts(1, 1)))
+    m.publish(v, 0)
+    assert long not in generate_latest(m.registry).decode()
+
+
+# -- a real Prometheus scraping a real agent ----------------------------------------------------------
+
+
+def prom_query(base: str, q: str) -> list[dict]:
+    with urllib.request.urlopen(f"{base}/api/v1/query?query={urllib.parse.quote(q)}", timeout=5) as r:
+        return json.loads(r.read())["data"]["result"]
+
+
+def prom_alerts(base: str) -> list[dict]:
+    with urllib.request.urlopen(f"{base}/api/v1/alerts", timeout=5) as r:
+        return json.loads(r.read())["data"]["alerts"]
+
+
+@pytest.mark.apiserver
+def test_real_prometheus_scrape_and_fatal_xid_alert(agent_factory, admin, simhost, tmp_path):
+    a = agent_factory()
+    a.wait_status(admin, "True")
+    port = free_port()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{"job_name": "gpu-ready", "static_configs": [
+            {"targets": [f"127.0.0.1:{a.port}"], "labels": {"node": a.node}}]}],
+    }))
+    log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115
+    prom = subprocess.Popen([tool("prometheus"), f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: prom_query(base, 'gpu_ready_status{status="True"} == 1'), 30, 0.3, "first scrape")
+        series = prom_query(base, 'scrape_samples_scraped{job="gpu-ready"}')[0]["value"][1]
+        duration = float(prom_query(base, 'scrape_duration_seconds{job="gpu-ready"}')[0]["value"][1])
+        simhost.append_xid(79, 3)
+        a.wait_status(admin, "False", "FatalXid")
+        got = wait_for(lambda: prom_query(base, 'gpu_ready_xid_total{fatal="true",xid="79"}'), 20, 0.3, "xid metric")
+        assert got[0]["metric"]["pci_bus_id"] == "0000:5d:00" and got[0]["metric"]["node"] == a.node
+        assert wait_for(lambda: prom_query(base, 'gpu_ready_status{status="False",reason="FatalXid"} == 1'), 20, 0.3)
+        alert = wait_for(lambda: [x for x in prom_alerts(base) if x["labels"]["alertname"] == "GPUFatalXid"],
+                         30, 0.3, "GPUFatalXid alert")
+        assert alert[0]["state"] in ("pending", "firing")
+        assert alert[0]["labels"]["node"] == a.node and alert[0]["labels"]["xid"] == "79"
+        unhealthy = prom_query(base, "gpu_ready_gpu_healthy == 0")
+        assert [s["metric"]["gpu"] for s in unhealthy] == ["3"]
+        series_after = prom_query(base, 'scrape_samples_scraped{job="gpu-ready"}')[0]["value"][1]
+        print(f"\n[scrape] 8-GPU node: {series} series healthy, {series_after} with one fatal Xid; "
+              f"scrape duration {duration * 1000:.1f} ms")
+    finally:
+        prom.terminate()
+        try:
+            prom.wait(10)
+        except subprocess.TimeoutExpired:
+            prom.kill()
+            prom.wait(5)
+        log.close()
+    assert prom.returncode is not None
