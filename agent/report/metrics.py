@@ -7,12 +7,12 @@ from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
-    disable_created_metrics,
     Counter,
     Gauge,
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    disable_created_metrics,
 )
 
 from agent import __version__

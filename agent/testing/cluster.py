@@ -98,5 +98,5 @@ def service_account_client(api: KubeApi, rules: list[dict[str, Any]] | None = No
 AGENT_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
     {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
-    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-]
+    {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+]  # the same rules as the chart's ClusterRole (charts/gpu-ready/templates/rbac.yaml)

@@ -50,4 +50,16 @@ if [ ! -x "$bin/promtool" ] || [ ! -x "$bin/prometheus" ]; then
     rm -rf "$tmp"
   fi
 fi
+# prometheus-operator CRDs (ServiceMonitor, PrometheusRule), generated from their Go API types with
+# controller-gen, for the chart's server-side dry-run.
+crds="$bin/crds"
+if [ ! -f "$crds/monitoring.coreos.com_prometheusrules.yaml" ]; then
+  log "crds: generating prometheus-operator CRDs with controller-gen"
+  mon=$(awk '$1=="github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring"{print $2; exit}' \
+    "$here/../crdgen/go.mod")
+  (cd "$here/../crdgen" && go tool controller-gen crd:maxDescLen=0 \
+    "paths=github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1" \
+    "output:crd:dir=$crds.tmp") && mv "$crds.tmp" "$crds"
+  echo "$mon" > "$crds/VERSION"
+fi
 echo "$bin"

@@ -1,0 +1,259 @@
+"""The Helm chart: lint, template, offline strict validation, server-side dry-run on the real
+apiserver, and the chart's RBAC + admission policy proven with tokens minted for its ServiceAccount."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agent.kube import ApiError
+from agent.testing.cluster import ensure_namespace, now_rfc3339
+from agent.testing.controlplane import ControlPlane
+from tests.test_observability import tool
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "gpu-ready"
+KUBE_VERSION = "1.36.3"
+KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or "kubectl"
+
+VALUE_SETS = {
+    "defaults": [],
+    "monitoring": ["--set", "serviceMonitor.enabled=true", "--set", "prometheusRule.enabled=true",
+                   "--set", "dashboard.enabled=true"],
+    "custom": ["--set", "nodeRestriction.enabled=false", "--set", "serviceAccount.create=false",
+               "--set", "serviceAccount.name=existing", "--set", "runtimeClassName=",
+               "--set", "agent.privileged=true", "--set", "config.expectedGpus=8",
+               "--set", "config.xidIgnore={109}", "--set-json", "affinity={}",
+               "--set-json", 'nodeSelector={"pool":"h100"}', "--set", "updateStrategy.maxUnavailable=1",
+               "--set", "metrics.port=9555", "--set", "priorityClassName="],
+    "preflight": ["--set", "preflight.enabled=true", "--set", "preflight.nodeName=gpu-node-7",
+                  "--set-json", 'preflight.profile={"gpuCount":8,"gpuModel":"H100"}'],
+}
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([tool("helm"), *args], capture_output=True, text=True, timeout=120)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def render(values: list[str], namespace: str = "gpu-ready", release: str = "gpu-ready") -> list[dict]:
+    out = helm("template", release, str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION,
+               *values).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_helm_lint(name):
+    r = helm("lint", str(CHART), "--strict", *VALUE_SETS[name])
+    assert "1 chart(s) linted, 0 chart(s) failed" in r.stdout
+
+
+def test_schema_rejects_bad_values():
+    r = helm("lint", str(CHART), "--set", "config.nvml=maybe", check=False)
+    assert r.returncode != 0 and "/config/nvml" in r.stdout + r.stderr
+    r = helm("template", "x", str(CHART), "--kube-version", KUBE_VERSION, "--set", "config.pollIntervall=3",
+             check=False)
+    assert r.returncode != 0 and "pollIntervall" in r.stderr
+
+
+def test_default_manifest_shape():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render([])}
+    ds = docs[("DaemonSet", "gpu-ready")]
+    spec = ds["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["privileged"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG"]}
+    assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == "10%"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert term["matchExpressions"][0] == {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
+    assert spec["runtimeClassName"] == "nvidia" and spec["priorityClassName"] == "system-node-critical"
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert vols["kmsg"]["hostPath"] == {"path": "/dev/kmsg", "type": "CharDevice"}
+    assert vols["state"]["hostPath"]["type"] == "DirectoryOrCreate"
+    assert vols["boot-id"]["hostPath"]["path"] == "/proc/sys/kernel/random/boot_id"
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["sys"]["readOnly"] and mounts["kmsg"]["readOnly"]
+    assert "resources" in c and c["resources"]["limits"]["memory"]
+    rules = docs[("ClusterRole", "gpu-ready")]["rules"]
+    assert rules == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    ]
+    assert ("ValidatingAdmissionPolicy", "gpu-ready-own-node-only") in docs
+
+
+def test_configmap_is_a_valid_agent_config(tmp_path):
+    from agent import config
+    cm = next(d for d in render(["--set", "config.expectedGpus=8", "--set", "config.xidIgnore={109,63}"])
+              if d["kind"] == "ConfigMap")
+    f = tmp_path / "config.yaml"
+    f.write_text(cm["data"]["config.yaml"])
+    cfg = config.load(None, environ={"GPU_READY_CONFIG": str(f)})
+    assert (cfg.expected_gpus, cfg.xid_ignore, cfg.poll_interval) == (8, [109, 63], 30.0)
+
+
+def test_chart_rules_and_dashboard_are_the_shipped_files():
+    assert (CHART / "files" / "gpu-ready.rules.yaml").read_bytes() == \
+        (ROOT / "deploy" / "prometheus" / "gpu-ready.rules.yaml").read_bytes()
+    assert (CHART / "files" / "gpu-ready-dashboard.json").read_bytes() == \
+        (ROOT / "deploy" / "grafana" / "gpu-ready-dashboard.json").read_bytes()
+    docs = render(VALUE_SETS["monitoring"])
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((ROOT / "deploy" / "prometheus" / "gpu-ready.rules.yaml").read_text())
+    dash = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"))
+    assert json.loads(dash["data"]["gpu-ready.json"])["uid"] == "gpu-ready"
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_offline_strict_schema_validation(name, tmp_path):
+    docs = [d for d in render(VALUE_SETS[name]) if not d["apiVersion"].startswith("monitoring.coreos.com")]
+    f = tmp_path / "m.yaml"
+    f.write_text(yaml.safe_dump_all(docs))
+    validate = Path(sys.executable).parent / "kubernetes-validate"
+    r = subprocess.run([str(validate), "-k", "1.36.0", "--strict", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("passed") == len(docs)
+
+
+def kubectl(cp: ControlPlane, kc: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KUBECTL, "--kubeconfig", str(kc), *args], capture_output=True, text=True, input=stdin,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def crds_loaded(control_plane, tmp_path_factory):
+    kc = control_plane.kubeconfig(tmp_path_factory.mktemp("kc") / "admin")
+    crds = control_plane.bin_dir / "crds"
+    for name in ("servicemonitors", "prometheusrules"):
+        r = kubectl(control_plane, kc, "apply", "--server-side", "-f", str(crds / f"monitoring.coreos.com_{name}.yaml"))
+        assert r.returncode == 0, r.stderr
+        r = kubectl(control_plane, kc, "wait", "--for=condition=Established", "--timeout=60s",
+                    f"crd/{name}.monitoring.coreos.com")
+        assert r.returncode == 0, r.stderr
+    return kc
+
+
+@pytest.mark.apiserver
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_server_side_dry_run(name, control_plane, admin, crds_loaded):
+    ns = f"gr-{name}-{secrets.token_hex(3)}"
+    ensure_namespace(admin, ns)
+    manifest = yaml.safe_dump_all(render(VALUE_SETS[name], namespace=ns))
+    r = kubectl(control_plane, crds_loaded, "apply", "--dry-run=server", "-f", "-", stdin=manifest)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("(server dry run)") == manifest.count("\nkind: ") + manifest.startswith("kind: ")
+
+
+@pytest.mark.apiserver
+def test_chart_rbac_and_own_node_admission_policy(control_plane, admin, make_node, crds_loaded):
+    ns = f"gr-rbac-{secrets.token_hex(3)}"
+    ensure_namespace(admin, ns)
+    r = kubectl(control_plane, crds_loaded, "apply", "-f", "-",
+                stdin=yaml.safe_dump_all(render([], namespace=ns, release=ns)))
+    assert r.returncode == 0, r.stderr
+    sa = f"{ns}-gpu-ready"  # the chart's fullname: <release>-gpu-ready
+    node_a = make_node(labels={"nvidia.com/gpu.present": "true"}, capacity={"nvidia.com/gpu": "8"})
+    node_b = make_node(labels={"nvidia.com/gpu.present": "true"}, capacity={"nvidia.com/gpu": "8"})
+    pod = admin.request("POST", f"/api/v1/namespaces/{ns}/pods", {
+        "metadata": {"name": "agent-a"},
+        "spec": {"nodeName": node_a, "serviceAccountName": sa, "containers": [{"name": "a", "image": "x"}]}})
+    tr = admin.request("POST", f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token", {
+        "spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 3600,
+                 "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": "agent-a",
+                                    "uid": pod["metadata"]["uid"]}}})
+    from agent.kube import KubeApi
+    agent = KubeApi.from_token(control_plane.host, tr["status"]["token"], control_plane.ca_file)
+    review = admin.request("POST", "/apis/authentication.k8s.io/v1/tokenreviews",
+                           {"spec": {"token": tr["status"]["token"]}})
+    assert review["status"]["user"]["extra"]["authentication.kubernetes.io/node-name"] == [node_a]
+
+    cond = {"status": {"conditions": [{"type": "GPUReady", "status": "True", "reason": "GPUsHealthy",
+                                       "message": "ok", "lastHeartbeatTime": now_rfc3339(),
+                                       "lastTransitionTime": now_rfc3339()}]}}
+    can, cannot = [], []
+
+    def attempt(what, fn):
+        try:
+            fn()
+            can.append(what)
+        except ApiError as e:
+            assert e.status == 403, (what, e)
+            cannot.append((what, str(e)))
+
+    # The admission policy is loaded asynchronously after it is created: wait until it denies.
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            agent.patch_node_status(node_b, cond)
+        except ApiError as e:
+            assert e.status == 403
+            assert "may only change the Node it runs on" in str(e)
+            break
+        assert time.monotonic() < deadline, "admission policy never denied the other node's status"
+        time.sleep(0.3)
+    attempt("get node A", lambda: agent.get_node(node_a))
+    attempt("patch node A status", lambda: agent.patch_node_status(node_a, cond))
+    attempt("create event", lambda: agent.create_event("default", {
+        "metadata": {"name": f"{node_a}.{secrets.token_hex(4)}"}, "eventTime": "2026-11-30T00:00:00.000000Z",
+        "reportingController": "gpu-ready", "reportingInstance": "gpu-ready-a", "action": "Test",
+        "reason": "Test", "regarding": {"kind": "Node", "name": node_a}, "type": "Normal", "note": "rbac test"}))
+    attempt("patch node B status", lambda: agent.patch_node_status(node_b, cond))
+    attempt("patch node A object", lambda: agent.patch_node(node_a, {"metadata": {"labels": {"x": "y"}}}))
+    attempt("list secrets", lambda: agent.request("GET", "/api/v1/secrets"))
+    attempt("read secrets in its namespace", lambda: agent.request("GET", f"/api/v1/namespaces/{ns}/secrets"))
+    attempt("list pods", lambda: agent.request("GET", "/api/v1/pods"))
+    attempt("read its own pod", lambda: agent.request("GET", f"/api/v1/namespaces/{ns}/pods/agent-a"))
+    attempt("list nodes", lambda: agent.request("GET", "/api/v1/nodes"))
+    attempt("delete node B", lambda: agent.request("DELETE", f"/api/v1/nodes/{node_b}"))
+    print(f"\n[rbac] can: {can}\n[rbac] cannot: {[w for w, _ in cannot]}")
+    assert can == ["get node A", "patch node A status", "create event"]
+    by = dict(cannot)
+    assert "may only change the Node it runs on" in by["patch node B status"]
+    assert set(by) == {"patch node B status", "patch node A object", "list secrets", "read secrets in its namespace",
+                       "list pods", "read its own pod", "list nodes", "delete node B"}
+    agent.close()
+
+
+def test_dockerfile_is_clean_under_hadolint():
+    hadolint = Path(sys.executable).parent / "hadolint"
+    r = subprocess.run([str(hadolint), str(ROOT / "docker" / "Dockerfile")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_dockerfile_install_steps_in_a_fresh_venv(tmp_path):
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "RUN sh docker/install.sh /opt/gpu-ready /src" in dockerfile
+    assert 'ENTRYPOINT ["gpu-ready"]' in dockerfile and 'CMD ["run"]' in dockerfile
+    src = tmp_path / "src"
+    src.mkdir()
+    for item in ("pyproject.toml", "README.md", "agent", "docker/install.sh"):  # the COPY lines
+        dst = src / item
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if (ROOT / item).is_dir() else shutil.copy)(ROOT / item, dst)
+    r = subprocess.run(["sh", str(src / "docker" / "install.sh"), str(tmp_path / "opt"), str(src)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().startswith("gpu-ready ")
+    r = subprocess.run([str(tmp_path / "opt" / "bin" / "gpu-ready"), "run", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--node-name" in r.stdout
+    # the deprecated `pynvml` wrapper must not come in: it warns on every import
+    r = subprocess.run([str(tmp_path / "opt" / "bin" / "python"), "-W", "error", "-c", "import pynvml"])
+    assert r.returncode == 0
