@@ -40,6 +40,10 @@ if sc.get("count_file"):
     except (OSError, ValueError):
         n = 0
     open(sc["count_file"], "w").write(str(n + 1))
+if "--query-gpu" in sys.argv[1:] or any(a.startswith("--query-gpu=") for a in sys.argv[1:]):
+    sys.stdout.write(sc.get("query_output", "")); sys.exit(int(sc.get("query_exit_code", 0)))
+if "nvlink" in sys.argv[1:]:
+    sys.stdout.write(sc.get("nvlink_output", "")); sys.exit(0)
 if sc.get("hang"):
     sys.stdout.write(sc.get("output", "")[:200]); sys.stdout.flush()
     time.sleep(float(sc.get("hang_seconds", 3600)))
@@ -58,6 +62,38 @@ class SimGpu:
     err_fields: tuple[str, ...] = ()
     mig_devices: int = 0  # >0: MIG enabled with this many devices
     in_smi: bool = True  # shown by nvidia-smi
+    pcie_gen: int = 5
+    pcie_width: int = 16
+    ecc: bool = True
+    nvlink_up: int = 18
+    nvlink_total: int = 18
+
+
+QUERY_FIELDS = ("index,pci.bus_id,name,memory.total,driver_version,mig.mode.current,pcie.link.gen.max,"
+                "pcie.link.width.max,ecc.mode.current")
+
+
+def smi_query_csv(gpus: list[SimGpu], driver: str = "550.90.07") -> str:
+    """`nvidia-smi --query-gpu=<QUERY_FIELDS> --format=csv,noheader,nounits` for the given GPUs."""
+    rows = []
+    for i, g in enumerate([g for g in gpus if g.in_smi]):
+        rows.append(f"{i}, {g.address.nvml}, {g.name}, {g.memory_mib}, {driver}, "
+                    f"{'Enabled' if g.mig_devices else 'Disabled'}, {g.pcie_gen}, {g.pcie_width}, "
+                    f"{'Enabled' if g.ecc else 'Disabled'}")
+    return "\n".join(rows) + "\n"
+
+
+def smi_nvlink_status(gpus: list[SimGpu]) -> str:
+    """`nvidia-smi nvlink --status` in the real layout."""
+    out = []
+    for i, g in enumerate([g for g in gpus if g.in_smi]):
+        out.append(f"GPU {i}: {g.name} (UUID: GPU-00000000-0000-0000-0000-00000000000{i})")
+        if g.nvlink_up == 0 and g.nvlink_total:
+            out.append("\t NVML: Unable to retrieve NVLink information as all links are inactive")
+            continue
+        for link in range(g.nvlink_total):
+            out.append(f"\t Link {link}: " + ("26.562 GB/s" if link < g.nvlink_up else "<inactive>"))
+    return "\n".join(out) + "\n"
 
 
 def smi_table(gpus: list[SimGpu], driver: str = "550.90.07", cuda: str = "12.4") -> str:
@@ -201,7 +237,8 @@ class SimHost:
         else:
             text = smi_table(self.gpus)
         sc: dict[str, Any] = {"output": text, "exit_code": exit_code, "hang": hang, "hang_seconds": hang_seconds,
-                              "count_file": str(self.smi_calls)}
+                              "count_file": str(self.smi_calls), "query_output": smi_query_csv(self.gpus),
+                              "nvlink_output": smi_nvlink_status(self.gpus)}
         tmp = self.scenario.with_suffix(".tmp")
         tmp.write_text(json.dumps(sc))
         os.replace(tmp, self.scenario)
