@@ -224,7 +224,7 @@ def run_command_gate(gate: str, command: str, timeout_s: float, max_latency_s: f
 def load_cuda() -> Any:
     """The optional CUDA binding (cupy); None when it is not installed or no GPU is usable."""
     try:
-        import cupy  # type: ignore[import-not-found]
+        import cupy
 
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return None
