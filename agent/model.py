@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any
 
 _ADDR = re.compile(
@@ -24,10 +25,7 @@ class PciAddress:
 
     @classmethod
     def parse(cls, text: str) -> PciAddress | None:
-        m = _ADDR.match(text.strip())
-        if not m:
-            return None
-        return cls(int(m["domain"] or "0", 16), int(m["bus"], 16), int(m["device"], 16))
+        return _parse_address(text)
 
     @property
     def nvml(self) -> str:
@@ -41,6 +39,14 @@ class PciAddress:
 
     def __str__(self) -> str:
         return self.nvml
+
+
+@lru_cache(maxsize=4096)
+def _parse_address(text: str) -> PciAddress | None:
+    m = _ADDR.match(text.strip())
+    if not m:
+        return None
+    return PciAddress(int(m["domain"] or "0", 16), int(m["bus"], 16), int(m["device"], 16))
 
 
 class Status(StrEnum):
@@ -126,7 +132,7 @@ class Counts:
         return dict(vars(self))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class XidEvent:
     """One GPU error from the kernel log: an Xid, an NVSwitch SXid, or a fallen-off-the-bus message."""
 

@@ -21,7 +21,7 @@ from agent.config import Config, ConfigError
 from agent.kube import ApiError, KubeApi
 from agent.logs import get_logger
 from agent.model import Check, Finding, Observation, Reason, Status, Verdict, XidEvent
-from agent.probes.kmsg import KmsgSource, KmsgUnavailable
+from agent.probes.kmsg import KmsgRecord, KmsgSource, KmsgUnavailable
 from agent.report.condition import ConditionReporter, find_condition, parse_rfc3339
 from agent.report.events import EventReporter
 from agent.report.metrics import Metrics
@@ -31,6 +31,7 @@ from agent.verdict import decide, gpu_label
 from agent.xid import KernelLogParser, XidClassifier
 
 CLEAR_ANNOTATION = "gpu-ready.io/clear-before"
+KMSG_BATCH = 2000  # records parsed per read: bounds memory in a storm
 STALE_NODE_S = 300.0
 
 
@@ -42,6 +43,29 @@ def api_state_of(e: ApiError) -> str:
     if e.status == 429:
         return "throttled"
     return f"http_{e.status}"
+
+
+class KernelLogIngest:
+    """The kernel-log hot path: parse records, count GPU errors (one metric update per key and batch),
+    latch fatal ones. Returns the newly latched events."""
+
+    def __init__(self, parser: KernelLogParser, state: LatchState, metrics: Metrics) -> None:
+        self.parser, self.state, self.metrics = parser, state, metrics
+
+    def process(self, records: list[KmsgRecord]) -> list[XidEvent]:
+        fresh: list[XidEvent] = []
+        now = time.time()
+        counts: dict[tuple[int, str, bool], int] = {}
+        feed, latch = self.parser.feed, self.state.latch
+        for r in records:
+            for ev in feed(r.text, r.seq, r.usec):
+                key = (ev.xid, ev.raw_address, ev.fatal)
+                counts[key] = counts.get(key, 0) + 1
+                if ev.fatal and latch(ev, now) is not None:
+                    fresh.append(ev)
+        for key, n in counts.items():
+            self.metrics.observe_xid_key(key, n)
+        return fresh
 
 
 class Agent:
@@ -61,6 +85,7 @@ class Agent:
         self.parser = KernelLogParser(XidClassifier(cfg.xid_fatal, cfg.xid_ignore, cfg.unknown_xid_fatal))
         self.kmsg = KmsgSource(cfg.kmsg, cfg.kmsg_trust_user)
         self.state = LatchState(cfg.state_dir, read_boot_id(cfg.boot_id_file))
+        self.ingest = KernelLogIngest(self.parser, self.state, self.metrics)
         self.condition = ConditionReporter(self.api, self.node, cfg.heartbeat_interval)
         self.events = EventReporter(self.api, self.node, cfg.event_interval,
                                     on_write=lambda r: self.metrics.events.labels(r).inc())
@@ -108,27 +133,33 @@ class Agent:
 
     # -- kernel log ------------------------------------------------------------------------------
 
-    def _process(self, texts: list[tuple[str, int | None, int | None]]) -> bool:
+    def _process(self, records: list[KmsgRecord]) -> bool:
         """Parses records; latches fatal events; returns whether anything new was latched."""
-        new = False
-        now = time.time()
-        for text, seq, usec in texts:
-            for ev in self.parser.feed(text, seq, usec):
-                self.metrics.observe_xid(ev)
-                if ev.fatal and self.state.latch(ev, now) is not None:
-                    new = True
-                    with self._lock:
-                        self.pending_xid_events.append(ev)
-                    self.log.warning("fatal GPU error latched", xid=ev.xid, gpu=ev.raw_address, source=ev.source,
-                                     text=ev.text[:200])
-        return new
+        fresh = self.ingest.process(records)
+        for ev in fresh:
+            self.log.warning("fatal GPU error latched", xid=ev.xid, gpu=ev.raw_address, source=ev.source,
+                             text=ev.text[:200])
+        if fresh:
+            with self._lock:
+                self.pending_xid_events += fresh
+        return bool(fresh)
 
     def read_kmsg_once(self) -> bool:
-        """Reads what is available now; returns whether a fatal event was latched."""
+        """Reads and processes what is available now, in bounded batches (a storm never sits in memory
+        whole); returns whether a fatal event was latched."""
+        new = False
+        while True:
+            more, latched = self._read_batch()
+            new |= latched
+            if latched:
+                self.wake.set()  # report at once; keep reading the rest of a storm
+            if not more:
+                return new
+
+    def _read_batch(self) -> tuple[bool, bool]:
         try:
             before = self.kmsg.records_read
-            records, lost = self.kmsg.read_available()
-            self.metrics.kmsg_records.inc(self.kmsg.records_read - before)
+            records, lost = self.kmsg.read_available(KMSG_BATCH)
             if self.kmsg_problem is not None:
                 self.log.info("kernel log readable again", check="xid", path=self.cfg.kmsg)
                 self.kmsg_problem = None
@@ -139,14 +170,16 @@ class Agent:
                 self.kmsg_problem = str(e)
                 self.wake.set()
             self.kmsg.close()
-            return False
+            return False, False
         if lost:
             self.metrics.kmsg_lost.inc(lost)
             self.log.warning("kernel-log records lost before they were read; re-running level checks",
                              check="xid", lost=lost)
             self.rerun_levels = True
             self.wake.set()
-        return self._process([(r.text, r.seq, r.usec) for r in records])
+        latched = self._process(records)
+        self.metrics.kmsg_records.inc(self.kmsg.records_read - before)
+        return len(records) >= KMSG_BATCH, latched
 
     def _watch(self) -> None:
         while not self.stop.is_set():

@@ -36,6 +36,7 @@ class LatchState:
         self.cleared_seq: int = -1
         self.load_problem: str | None = None  # what went wrong reading the file, for logs/metrics
         self.write_problem: str | None = None
+        self._known: set[tuple[bool, int, object]] = set()  # quick keys of latched faults
         self._lock = threading.Lock()
 
     # -- persistence ----------------------------------------------------------------------------------
@@ -105,8 +106,12 @@ class LatchState:
             return None
         if ev.seq is not None and ev.seq <= self.cleared_seq:
             return None  # read before an operator's clear: replayed from the ring buffer
+        quick = (ev.source == "sxid" or ev.address is None, ev.xid, ev.address or ev.raw_address)
+        if quick in self._known:
+            return None  # a storm repeats the same fault: no allocation, no key formatting
         lf = LatchedFault(ev.xid, ev.raw_address, ev.address, ev.source, ev.text[:300], now)
         with self._lock:
+            self._known.add(quick)
             if lf.key in self.faults:
                 return None
             self.faults[lf.key] = lf
@@ -121,6 +126,7 @@ class LatchState:
             gone = [f for f in self.faults.values() if f.since < before]
             for f in gone:
                 del self.faults[f.key]
+            self._known.clear()
             self.cleared_before = before
             if read_seq is not None:
                 self.cleared_seq = max(self.cleared_seq, read_seq)
@@ -132,6 +138,7 @@ class LatchState:
             n = len(self.faults)
             self.boot_id = boot_id
             self.faults = {}
+            self._known.clear()
             self.cleared_before = 0.0
             self.cleared_seq = -1
         self.save()

@@ -101,6 +101,9 @@ class KernelLogParser:
         if "NVRM" not in text and "SXid" not in text and FOB_TAIL not in text:
             self._age_pending()
             return []
+        if "\n" not in text:
+            ev = self._feed_line(text, seq, usec)
+            return [] if ev is None else [ev]
         events: list[XidEvent] = []
         for line in text.split("\n"):
             ev = self._feed_line(line, seq, usec)

@@ -109,7 +109,7 @@ def agent_factory(control_plane, admin, simhost, make_node, sa_client) -> Iterat
     """Makes a GPU Node for the simulated host and runs the real agent for it, as a ServiceAccount with
     the agent's RBAC (token bound to a Pod on that node)."""
     from agent.testing.cluster import AGENT_RULES
-    from tests.agent_harness import AgentProc
+    from agent.testing.harness import AgentProc
 
     procs: list[AgentProc] = []
 

@@ -11,7 +11,7 @@ import pytest
 
 from agent.report.condition import parse_rfc3339
 from agent.testing.cluster import AGENT_RULES, condition
-from tests.agent_harness import wait_for
+from agent.testing.harness import wait_for
 
 pytestmark = pytest.mark.apiserver
 
@@ -241,7 +241,7 @@ def test_apiserver_outage_fault_during_outage_is_reported_after(control_plane, t
     """Own control plane: stop kube-apiserver mid-run, cause a fault while it is down, start it again."""
     from agent.testing.cluster import create_node, service_account_client
     from agent.testing.controlplane import ControlPlane
-    from tests.agent_harness import AgentProc
+    from agent.testing.harness import AgentProc
 
     cp = ControlPlane(control_plane.bin_dir, workdir=str(tmp_path / "cp")).start()
     try:

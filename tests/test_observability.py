@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from agent.testing.controlplane import free_port, testbin_dir
-from tests.agent_harness import wait_for
+from agent.testing.harness import wait_for
 from tests.conftest import IN_CI
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import re
 import select
 import stat
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 _ESC = re.compile(rb"\\x([0-9a-fA-F]{2})")
 KERNEL_FACILITY = 0
@@ -23,8 +23,7 @@ READ_SIZE = 8192
 FILE_CHUNK = 1 << 20
 
 
-@dataclass(frozen=True)
-class KmsgRecord:
+class KmsgRecord(NamedTuple):
     facility: int | None  # None: a plain text line (a saved dmesg), not a kmsg record
     level: int | None
     seq: int | None
@@ -47,12 +46,13 @@ def unescape(text: str) -> str:
 def parse_record(raw: str) -> KmsgRecord | None:
     """Parses one record (its first line; continuation lines are dropped). None for a blank line.
     A line without a valid kmsg header comes back as a plain-text record with facility None."""
-    line = raw.split("\n", 1)[0].rstrip("\r")
-    if not line.strip():
+    nl = raw.find("\n")
+    line = (raw if nl < 0 else raw[:nl]).rstrip("\r")
+    if not line or line.isspace():
         return None
     head, sep, text = line.partition(";")
     if sep:
-        fields = head.split(",")
+        fields = head.split(",", 4)
         if len(fields) >= 4:
             try:
                 prio, seq, usec = int(fields[0]), int(fields[1]), int(fields[2])
@@ -60,7 +60,7 @@ def parse_record(raw: str) -> KmsgRecord | None:
                 pass
             else:
                 if prio >= 0 and seq >= 0 and usec >= 0:
-                    return KmsgRecord(prio >> 3, prio & 7, seq, usec, unescape(text))
+                    return KmsgRecord(prio >> 3, prio & 7, seq, usec, unescape(text) if "\\x" in text else text)
     return KmsgRecord(None, None, None, None, line)
 
 

@@ -66,13 +66,14 @@ class Metrics:
         self._xid_children: dict[tuple[int, str, bool], Any] = {}
         self._gpu_labels: set[tuple[str, str, str]] = set()
 
-    def observe_xid(self, ev: XidEvent) -> None:
-        key = (ev.xid, ev.raw_address, ev.fatal)
+    def observe_xid(self, ev: XidEvent, n: int = 1) -> None:
+        self.observe_xid_key((ev.xid, ev.raw_address, ev.fatal), n)
+
+    def observe_xid_key(self, key: tuple[int, str, bool], n: int = 1) -> None:
         child = self._xid_children.get(key)
         if child is None:
-            child = self._xid_children[key] = self.xid.labels(str(ev.xid), ev.raw_address[:20],
-                                                              "true" if ev.fatal else "false")
-        child.inc()
+            child = self._xid_children[key] = self.xid.labels(str(key[0]), key[1][:20], "true" if key[2] else "false")
+        child.inc(n)
 
     def api_request(self, verb: str, code: int) -> None:
         self.api_requests.labels(verb, str(code)).inc()

@@ -118,6 +118,6 @@ class AgentProc:
                 return c
             return None
         try:
-            return wait_for(ok, timeout, what=f"GPUReady={status} {reason or ''}")  # type: ignore[no-any-return]
+            return wait_for(ok, timeout, what=f"GPUReady={status} {reason or ''}")
         except AssertionError as e:
             raise AssertionError(f"{e}\n--- agent log ---\n{self.logs()[-4000:]}") from None

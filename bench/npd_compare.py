@@ -1,0 +1,156 @@
+"""gpu-ready and node-problem-detector side by side: both read the real /dev/kmsg (NPD's kmsg monitor
+cannot read anything else) and report to the same apiserver and Node. NPD gets a kernel-monitor rule that
+turns Xid 79 into a permanent condition. For each repetition an Xid 79 record is written to /dev/kmsg and
+both detection times are taken from one watch on the Node. NPD is restarted per repetition because its
+permanent condition never clears otherwise (its restart resets it). Needs root and a writable /dev/kmsg."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import secrets
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.testing.cluster import AGENT_RULES, create_node, service_account_client
+from agent.testing.controlplane import REPO, ControlPlane, free_port
+from agent.testing.harness import AgentProc
+from agent.testing.simhost import SimHost
+from bench.common import NodeWatch, ProcSampler, condition, percentile, save, summary_ms
+
+NPD_CONDITION = "GPUFallenOffBus"
+
+
+def npd_binary() -> str:
+    r = subprocess.run([str(REPO / "tools" / "npd" / "build.sh")], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"cannot build node-problem-detector: {r.stderr[-2000:]}")
+    return r.stdout.strip()
+
+
+def npd_config(path: Path) -> Path:
+    path.write_text(json.dumps({
+        "plugin": "kmsg", "logPath": "/dev/kmsg", "bufferSize": 10, "source": "gpu-xid-monitor",
+        "conditions": [{"type": NPD_CONDITION, "reason": "NoXid79", "message": "no Xid 79 seen"}],
+        "rules": [{"type": "permanent", "condition": NPD_CONDITION, "reason": "Xid79GPUFellOffTheBus",
+                   "pattern": r"NVRM: Xid \(PCI:[0-9a-fA-F:]+\): 79,.*"}],
+    }))
+    return path
+
+
+def run(cp: ControlPlane, reps: int = 10) -> dict[str, Any]:
+    if os.geteuid() != 0 or not os.access("/dev/kmsg", os.W_OK):
+        return {"skipped": "needs root and a writable /dev/kmsg (both agents read the real kernel log)"}
+    npd = npd_binary()
+    work = Path(tempfile.mkdtemp(prefix="bench-npd-"))
+    admin = cp.admin()
+    host = SimHost(work / "host", gpus=8)
+    node = f"bench-npd-{secrets.token_hex(3)}"
+    create_node(admin, node, {"nvidia.com/gpu.present": "true"}, host.plugin_resources())
+    _, info = service_account_client(admin, AGENT_RULES, pod_on_node=node)
+    agent = AgentProc(cp, host, node, info["token"], workdir=work, kmsg="/dev/kmsg",
+                      extra={"--kmsg-trust-user": "true"}).start()
+    kc = cp.kubeconfig(work / "npd.kubeconfig")
+    cfg = npd_config(work / "gpu-xid-monitor.json")
+    seen: dict[str, Any] = {}
+    cv = threading.Condition()
+
+    def on_event(obj: dict[str, Any], t: float) -> None:
+        g, n = condition(obj, "GPUReady"), condition(obj, NPD_CONDITION)
+        with cv:
+            seen["gpu"] = (g or {}).get("message", "")
+            seen["npd"] = (n or {}).get("status")
+            seen["t"] = t
+            if seen.get("want") and seen["want"] in seen["gpu"] and "t_gpu" not in seen:
+                seen["t_gpu"] = t
+            if seen.get("want") and seen["npd"] == "True" and "t_npd" not in seen:
+                seen["t_npd"] = t
+            cv.notify_all()
+
+    watch = NodeWatch(cp, node, on_event).start()
+    gpu_lat, npd_lat, npd_rss, agent_rss = [], [], [], []
+    agent_sampler = ProcSampler(agent.proc.pid, 0.5).start()  # type: ignore[union-attr]
+    used = set()
+    try:
+        with cv:
+            cv.wait_for(lambda: seen.get("gpu") is not None and seen.get("gpu") != "", 60)
+        for _ in range(reps):
+            log = open(work / "npd.log", "ab")  # noqa: SIM115
+            p = subprocess.Popen([npd, f"--config.system-log-monitor={cfg}", f"--hostname-override={node}",
+                                  f"--apiserver-override={cp.host}?inClusterConfig=false&auth={kc}",
+                                  "--address=127.0.0.1", f"--port={free_port()}", "--prometheus-address=127.0.0.1",
+                                  f"--prometheus-port={free_port()}", "--k8s-exporter-heartbeat-period=5m"],
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            sampler = ProcSampler(p.pid, 0.25).start()
+            with cv:
+                if not cv.wait_for(lambda: seen.get("npd") == "False", 60):
+                    raise RuntimeError("NPD never initialised its condition:\n"
+                                       + (work / "npd.log").read_text()[-3000:])
+            time.sleep(1.0)  # let NPD's kmsg watcher settle past its start time
+            bus = random.choice([b for b in range(0x10, 0xF0) if b not in used])
+            used.add(bus)
+            addr = f"0000:{bus:02x}:00"
+            with cv:
+                seen.pop("t_gpu", None)
+                seen.pop("t_npd", None)
+                seen["want"] = f"GPU 00000000:{bus:02X}:00.0"
+            t0 = time.monotonic()
+            with open("/dev/kmsg", "w") as fh:
+                fh.write(f"<3>NVRM: Xid (PCI:{addr}): 79, pid='<unknown>', name=<unknown>, "
+                         "GPU has fallen off the bus.\n")
+            with cv:
+                ok = cv.wait_for(lambda: "t_gpu" in seen and "t_npd" in seen, 30)
+            if not ok:
+                raise RuntimeError(f"detection timed out: {seen}\n{agent.logs()[-2000:]}")
+            gpu_lat.append(seen["t_gpu"] - t0)
+            npd_lat.append(seen["t_npd"] - t0)
+            sampler.stop()
+            npd_rss += [s[1] for s in sampler.samples]
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+            log.close()
+            with cv:
+                seen["want"] = None
+                cv.wait_for(lambda: seen.get("npd") != "True", 2)  # NPD restart resets; not waited for
+    finally:
+        agent_sampler.stop()
+        agent_rss = [s[1] for s in agent_sampler.samples]
+        watch.stop()
+        agent.terminate()
+        admin.close()
+    g, n = summary_ms(gpu_lat), summary_ms(npd_lat)
+    res = {
+        "repetitions": reps, "gpu_ready": g, "npd": n,
+        "npd_version": Path(npd).parent.name,
+        "latency_ratio_p50_npd_over_gpu_ready": round(n["p50_ms"] / g["p50_ms"], 1),
+        "gpu_ready_rss_mib": {"median": round(percentile(agent_rss, 50) / 2**20, 1),
+                              "peak": round(max(agent_rss) / 2**20, 1)},
+        "npd_rss_mib": {"median": round(percentile(npd_rss, 50) / 2**20, 1), "peak": round(max(npd_rss) / 2**20, 1)},
+    }
+    res["rss_ratio_gpu_ready_over_npd"] = round(res["gpu_ready_rss_mib"]["median"] / res["npd_rss_mib"]["median"], 2)
+    save("npd_compare", res)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--reps", type=int, default=10)
+    a = ap.parse_args()
+    with ControlPlane() as cp:
+        r = run(cp, a.reps)
+    print(json.dumps(r, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Xid storm: 800,000 kmsg records, mostly repeated Xid 95 and Xid 13 lines across 8 GPUs.
+Measures (1) the parse path in-process (read, parse, classify, count, latch): records per second and
+RSS growth; (2) the running agent: time to read them all, its RSS growth, condition and Event writes."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import secrets
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from agent.model import PciAddress
+from agent.probes.kmsg import KmsgSource, format_record
+from agent.report.metrics import Metrics
+from agent.runner import KMSG_BATCH, KernelLogIngest
+from agent.state import LatchState
+from agent.testing.cluster import AGENT_RULES, create_node, service_account_client
+from agent.testing.controlplane import ControlPlane
+from agent.testing.harness import AgentProc, wait_for
+from agent.testing.simhost import SimHost
+from agent.xid import KernelLogParser
+from bench.common import ProcSampler, save
+
+BUSES = (0x19, 0x3B, 0x4C, 0x5D, 0x9B, 0xBB, 0xCB, 0xDB)
+TEXT95 = "Uncontained: LTC TAG (0x2, 0x1). RST: Yes, D-RST: No"
+TEXT13 = "pid=1797828, name=pt_main_thread, Graphics SM Warp Exception on (GPC 7, TPC 7, SM 0): Illegal Instruction"
+
+
+def storm_records(n: int, start_seq: int = 1) -> str:
+    out = []
+    for i in range(n):
+        a = PciAddress(0, BUSES[(i // 3) % 8], 0)
+        if i % 50 == 49:
+            text = "nvidia-peermem nv_get_p2p_free_callback:127 ERROR detected invalid context, skipping"
+        elif i % 3:
+            text = f"NVRM: Xid (PCI:{a.kernel}): 95, pid='<unknown>', name=<unknown>, {TEXT95}"
+        else:
+            text = f"NVRM: Xid (PCI:{a.kernel}): 13, {TEXT13}"
+        out.append(format_record(text, start_seq + i, 1_000_000 + i))
+    return "".join(out)
+
+
+def in_process(n: int, work: Path) -> dict[str, Any]:
+    f = work / "kmsg"
+    f.write_text(storm_records(n))
+    gc.collect()
+    proc = psutil.Process()
+    rss0 = proc.memory_info().rss
+    src, metrics = KmsgSource(str(f)), Metrics()
+    state = LatchState(str(work / "state"), "bench")
+    ingest = KernelLogIngest(KernelLogParser(), state, metrics)  # the agent's own hot path
+    t0 = time.perf_counter()
+    total = 0
+    while True:
+        recs, _ = src.read_available(KMSG_BATCH)
+        if not recs:
+            break
+        ingest.process(recs)
+        total += len(recs)
+    took = time.perf_counter() - t0
+    rss1 = proc.memory_info().rss
+    return {"records": total, "seconds": round(took, 2), "records_per_s": int(total / took),
+            "rss_growth_mib": round((rss1 - rss0) / 2**20, 1), "latched": len(state.faults)}
+
+
+def in_agent(cp: ControlPlane, n: int, work: Path) -> dict[str, Any]:
+    admin = cp.admin()
+    host = SimHost(work / "host", gpus=8)
+    node = f"bench-storm-{secrets.token_hex(3)}"
+    create_node(admin, node, {"nvidia.com/gpu.present": "true"}, host.plugin_resources())
+    _, info = service_account_client(admin, AGENT_RULES, pod_on_node=node)
+    agent = AgentProc(cp, host, node, info["token"], workdir=work, extra={"--poll-interval": "30"}).start()
+    try:
+        wait_for(lambda: agent.metric("gpu_ready_condition_writes_total") == 1, 60, 0.2, "first report")
+        sampler = ProcSampler(agent.proc.pid, 0.2).start()  # type: ignore[union-attr]
+        time.sleep(1)
+        rss0 = sampler.sample()[1]
+        writes0 = agent.metric("gpu_ready_condition_writes_total") or 0
+        events0 = agent.metric("gpu_ready_events_total") or 0
+        api0 = agent.metric("gpu_ready_api_requests_total") or 0
+        data = storm_records(n)
+        t0 = time.monotonic()
+        with open(host.kmsg, "a") as fh:
+            fh.write(data)
+        wait_for(lambda: (agent.metric("gpu_ready_kmsg_records_total") or 0) >= n, 300, 0.1, "storm read")
+        took = time.monotonic() - t0
+        time.sleep(2)
+        sampler.stop()
+        peak = max(s[1] for s in sampler.samples)
+        rss1 = sampler.sample()[1]
+        res = {"records": n, "seconds_to_read_all": round(took, 2), "records_per_s": int(n / took),
+               "rss_before_mib": round(rss0 / 2**20, 1), "rss_peak_mib": round(peak / 2**20, 1),
+               "rss_growth_mib": round((rss1 - rss0) / 2**20, 1),
+               "condition_writes": int((agent.metric("gpu_ready_condition_writes_total") or 0) - writes0),
+               "event_writes": int((agent.metric("gpu_ready_events_total") or 0) - events0),
+               "api_requests": int((agent.metric("gpu_ready_api_requests_total") or 0) - api0),
+               "event_write_bound": 8 + 2}
+        return res
+    finally:
+        agent.terminate()
+        admin.close()
+
+
+def run(cp: ControlPlane, n: int = 800_000) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-storm-"))
+    res = {"in_process": in_process(n, work), "agent": in_agent(cp, n, work)}
+    save("storm", res)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--records", type=int, default=800_000)
+    a = ap.parse_args()
+    with ControlPlane() as cp:
+        r = run(cp, a.records)
+    print(r)
+
+
+if __name__ == "__main__":
+    main()
