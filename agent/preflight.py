@@ -24,8 +24,10 @@ from typing import Any
 import yaml
 
 from agent.kube import ApiError, KubeApi
+from agent.probes.kmsg import KmsgSource
 from agent.probes.nvidia_smi import parse_smi_table
 from agent.report.events import EventReporter
+from agent.xid import KernelLogParser, XidClassifier
 
 GATES = ("spec", "burnin", "nvlink", "cuda", "serving")
 PASS, FAIL, SKIP = "pass", "fail", "skipped"
@@ -199,16 +201,26 @@ def check_spec(profile: Profile, gpus: list[GpuSpec], cuda: str | None) -> GateR
 
 
 def run_command_gate(gate: str, command: str, timeout_s: float, max_latency_s: float | None = None,
-                     expect_output: str | None = None) -> GateResult:
+                     expect_output: str | None = None, sample: Callable[[], None] | None = None) -> GateResult:
     """A configured external command (dcgmi diag, gpu-burn, a serving check), judged by exit code, an
-    optional latency bound and an optional output regex."""
+    optional latency bound and an optional output regex. `sample` is called every second while it runs."""
     t0 = time.monotonic()
     try:
-        r = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return GateResult(gate, FAIL, f"{command!r} timed out after {timeout_s:g}s")
+        p = subprocess.Popen(shlex.split(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     except OSError as e:
         return GateResult(gate, FAIL, f"cannot run {command!r}: {e.strerror}")
+    while True:
+        try:
+            stdout, _ = p.communicate(timeout=1.0)
+            break
+        except subprocess.TimeoutExpired:
+            if time.monotonic() - t0 > timeout_s:
+                p.kill()
+                p.communicate()
+                return GateResult(gate, FAIL, f"{command!r} timed out after {timeout_s:g}s")
+            if sample is not None:
+                sample()
+    r = subprocess.CompletedProcess(p.args, p.returncode, stdout, "")
     took = time.monotonic() - t0
     out = (r.stdout + r.stderr)[-2000:]
     ev = {"command": command, "exit_code": r.returncode, "seconds": round(took, 3), "output_tail": out[-400:]}
@@ -252,7 +264,7 @@ def cuda_kernel_check(cp: Any) -> GateResult:
     return GateResult("cuda", PASS, f"kernel compiled and correct on {len(per_gpu)} GPUs", {"per_gpu": per_gpu})
 
 
-def cuda_burnin(cp: Any, seconds: float) -> GateResult:
+def cuda_burnin(cp: Any, seconds: float, sample: Callable[[], None] | None = None) -> GateResult:
     """Sustained FP32 matmul on every GPU; checks each result against a reference, reports TFLOP/s."""
     size, per_gpu = 8192, {}
     for dev in range(cp.cuda.runtime.getDeviceCount()):
@@ -267,6 +279,8 @@ def cuda_burnin(cp: Any, seconds: float) -> GateResult:
                 n += 1
                 if n % 10 == 0 and not bool(cp.allclose(c, ref, rtol=1e-3)):
                     wrong += 1
+                if n % 20 == 0 and sample is not None:
+                    sample()
             cp.cuda.Device(dev).synchronize()
             took = time.monotonic() - t0
             per_gpu[dev] = {"tflops": round(2 * size**3 * n / took / 1e12, 1), "iterations": n, "wrong": wrong}
@@ -307,6 +321,109 @@ def cuda_p2p(cp: Any, min_gbps: float | None) -> GateResult:
                       {"gbps": pairs})
 
 
+# -- burn-in watch: Xids, ECC, retired pages / remapped rows, throttling ------------------------------------
+
+# NVML clock-event (throttle) reasons. The power cap and software thermal slowdown are the configured
+# limits a GPU under full load is expected to hit; idle/application/sync-boost/display are benign.
+THROTTLE_REASONS = {0x1: "GpuIdle", 0x2: "ApplicationsClocksSetting", 0x4: "SwPowerCap", 0x8: "HwSlowdown",
+                    0x10: "SyncBoost", 0x20: "SwThermalSlowdown", 0x40: "HwThermalSlowdown",
+                    0x80: "HwPowerBrakeSlowdown", 0x100: "DisplayClockSetting"}
+ALLOWED_THROTTLE = frozenset({"GpuIdle", "ApplicationsClocksSetting", "SwPowerCap", "SyncBoost",
+                              "SwThermalSlowdown", "DisplayClockSetting"})
+
+
+class BurnInWatch:
+    """Watches a burn-in: any Xid in the kernel log during it, an uncorrected ECC error increment, a new
+    retired page or remapped row, or clocks throttled for reasons other than the power and thermal limits.
+    NVML is required (`nvml` is the pynvml module, or a stand-in); without it the burn-in cannot be judged."""
+
+    def __init__(self, nvml: Any, kmsg_path: str | None, allowed: frozenset[str] = ALLOWED_THROTTLE,
+                 trust_user: bool = False) -> None:
+        self.nv, self.allowed = nvml, allowed
+        self.kmsg = KmsgSource(kmsg_path, trust_user) if kmsg_path else None
+        self.before: dict[int, tuple[int, int, int]] = {}
+        self.throttled: dict[int, set[str]] = {}
+        self.handles: list[Any] = []
+
+    def _counters(self, h: Any) -> tuple[int, int, int]:
+        nv = self.nv
+        unc = int(nv.nvmlDeviceGetTotalEccErrors(h, 1, 0))  # uncorrected, volatile
+        retired = sum(len(nv.nvmlDeviceGetRetiredPages(h, cause)) for cause in (0, 1))
+        try:
+            corr_rows, unc_rows, _pending, _failure = nv.nvmlDeviceGetRemappedRows(h)
+            remapped = int(corr_rows) + int(unc_rows)
+        except nv.NVMLError:
+            remapped = 0  # not supported (pre-Ampere, MIG)
+        return unc, retired, remapped
+
+    def start(self) -> None:
+        nv = self.nv
+        nv.nvmlInit()
+        self.handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
+        self.before = {i: self._counters(h) for i, h in enumerate(self.handles)}
+        if self.kmsg is not None:
+            self.kmsg.open()
+            while self.kmsg.read_available(10_000)[0]:
+                pass  # skip what was logged before the burn-in
+
+    def sample(self) -> None:
+        for i, h in enumerate(self.handles):
+            mask = int(self.nv.nvmlDeviceGetCurrentClocksEventReasons(h))
+            bad = {name for bit, name in THROTTLE_REASONS.items() if mask & bit and name not in self.allowed}
+            if bad:
+                self.throttled.setdefault(i, set()).update(bad)
+
+    def finish(self) -> list[str]:
+        problems = []
+        for i, h in enumerate(self.handles):
+            (u0, r0, m0), (u1, r1, m1) = self.before[i], self._counters(h)
+            if u1 > u0:
+                problems.append(f"GPU {i}: {u1 - u0} uncorrected ECC errors during burn-in")
+            if r1 > r0:
+                problems.append(f"GPU {i}: {r1 - r0} new retired pages")
+            if m1 > m0:
+                problems.append(f"GPU {i}: {m1 - m0} new remapped rows")
+        for i, reasons in sorted(self.throttled.items()):
+            problems.append(f"GPU {i}: clocks throttled by {', '.join(sorted(reasons))}")
+        if self.kmsg is not None:
+            parser = KernelLogParser(XidClassifier(unknown_fatal=True))
+            while True:
+                recs, _ = self.kmsg.read_available(10_000)
+                if not recs:
+                    break
+                for r in recs:
+                    for ev in parser.feed(r.text, r.seq, r.usec):
+                        problems.append(f"Xid {ev.xid} on {ev.raw_address} during burn-in: {ev.text[:120]}")
+            self.kmsg.close()
+        return problems
+
+
+def watched(gate: str, run: Callable[[Callable[[], None]], GateResult], watch: BurnInWatch | None) -> GateResult:
+    """Runs a burn-in under the watch; `run` gets a callback to sample throttling while it works."""
+    if watch is None:
+        return GateResult(gate, FAIL, "cannot watch the burn-in (ECC, retired pages, throttling): NVML unavailable")
+    try:
+        watch.start()
+    except Exception as e:
+        return GateResult(gate, FAIL, f"cannot watch the burn-in: NVML: {e}")
+    res = run(watch.sample)
+    problems = watch.finish()
+    res.evidence["watch"] = problems
+    if problems and res.status == PASS:
+        res.status, res.reason = FAIL, "; ".join(problems)[:900]
+    return res
+
+
+def load_nvml() -> Any:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:
+        return None
+
+
 # -- orchestration ---------------------------------------------------------------------------------------
 
 GateFn = Callable[[], GateResult]
@@ -339,18 +456,20 @@ def run_gates(gates: dict[str, GateFn], timeouts: dict[str, float]) -> list[Gate
 DEFAULT_TIMEOUTS = {"spec": 60.0, "burnin": 900.0, "nvlink": 300.0, "cuda": 120.0, "serving": 900.0}
 
 
-def build_gates(profile: Profile, nvidia_smi: str, cuda: Any = None) -> dict[str, GateFn]:
+def build_gates(profile: Profile, nvidia_smi: str, cuda: Any = None, nvml: Any = None,
+                kmsg: str | None = "/dev/kmsg", kmsg_trust_user: bool = False) -> dict[str, GateFn]:
     def spec() -> GateResult:
         gpus, ver = read_spec_nvidia_smi(nvidia_smi)
         return check_spec(profile, gpus, ver)
 
     def burnin() -> GateResult:
-        if profile.burnin_command:
-            return run_command_gate("burnin", profile.burnin_command,
-                                    profile.timeouts.get("burnin", DEFAULT_TIMEOUTS["burnin"]))
-        if cuda is None:
+        if not profile.burnin_command and cuda is None:
             return GateResult("burnin", SKIP, "no CUDA binding (pip install gpu-ready[cuda]) and no burnInCommand")
-        return cuda_burnin(cuda, profile.burnin_seconds)
+        watch = BurnInWatch(nvml, kmsg, trust_user=kmsg_trust_user) if nvml is not None else None
+        if profile.burnin_command:
+            cmd, limit = profile.burnin_command, profile.timeouts.get("burnin", DEFAULT_TIMEOUTS["burnin"])
+            return watched("burnin", lambda s: run_command_gate("burnin", cmd, limit, sample=s), watch)
+        return watched("burnin", lambda s: cuda_burnin(cuda, profile.burnin_seconds, s), watch)
 
     def nvlink() -> GateResult:
         if cuda is None:
@@ -442,6 +561,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", required=True, help="profile YAML (docs/preflight.md)")
     p.add_argument("--node", help="record the outcome on this Node (label, annotations, cordon, Event)")
     p.add_argument("--nvidia-smi", default="nvidia-smi")
+    p.add_argument("--kmsg", default="/dev/kmsg", help="kernel log watched for Xids during burn-in")
     p.add_argument("--label-key", default="preflight")
     p.add_argument("--needs-label", default="gpu-ready.io/needs-preflight",
                    help="label removed from the Node when preflight passes")
@@ -461,7 +581,8 @@ def main(args: argparse.Namespace) -> int:
     if bad:
         print(f"gpu-ready preflight: unknown gates {bad}; gates are {', '.join(GATES)}", file=sys.stderr)
         return 2
-    gates = {k: v for k, v in build_gates(profile, args.nvidia_smi, load_cuda()).items() if k in wanted}
+    gates = {k: v for k, v in build_gates(profile, args.nvidia_smi, load_cuda(), load_nvml(), args.kmsg).items()
+             if k in wanted}
     if args.node:
         try:
             api = KubeApi.from_environment(args.kubeconfig)

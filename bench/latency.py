@@ -4,7 +4,6 @@ on the Node sees GPUReady=False. The latch is cleared between repetitions with t
 from __future__ import annotations
 
 import argparse
-import secrets
 import tempfile
 import threading
 import time
@@ -12,22 +11,16 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from agent.testing.cluster import AGENT_RULES, create_node, service_account_client
 from agent.testing.controlplane import ControlPlane
-from agent.testing.harness import AgentProc, wait_for
-from agent.testing.simhost import SimHost
+from agent.testing.harness import launch_agent, wait_for
 from bench.common import NodeWatch, condition, save, summary_ms
 
 
 def run(cp: ControlPlane, reps: int = 100, poll: float = 1.0) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="bench-latency-"))
+    agent, host = launch_agent(cp, Path(tempfile.mkdtemp(prefix="bench-latency-")), "bench-latency",
+                               {"--poll-interval": str(poll), "--recovery-polls": "1"})
+    node = agent.node
     admin = cp.admin()
-    host = SimHost(work / "host", gpus=8)
-    node = f"bench-latency-{secrets.token_hex(3)}"
-    create_node(admin, node, {"nvidia.com/gpu.present": "true"}, host.plugin_resources())
-    _, info = service_account_client(admin, AGENT_RULES, pod_on_node=node)
-    agent = AgentProc(cp, host, node, info["token"], workdir=work,
-                      extra={"--poll-interval": str(poll), "--recovery-polls": "1"}).start()
     state: dict[str, Any] = {"status": None, "at": 0.0}
     changed = threading.Condition()
 

@@ -10,8 +10,6 @@ import argparse
 import json
 import os
 import random
-import secrets
-import signal
 import subprocess
 import tempfile
 import threading
@@ -19,10 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.testing.cluster import AGENT_RULES, create_node, service_account_client
-from agent.testing.controlplane import REPO, ControlPlane, free_port
-from agent.testing.harness import AgentProc
-from agent.testing.simhost import SimHost
+from agent.testing.controlplane import REPO, ControlPlane, free_port, terminate_group
+from agent.testing.harness import launch_agent
 from bench.common import NodeWatch, ProcSampler, condition, percentile, save, summary_ms
 
 NPD_CONDITION = "GPUFallenOffBus"
@@ -50,13 +46,8 @@ def run(cp: ControlPlane, reps: int = 10) -> dict[str, Any]:
         return {"skipped": "needs root and a writable /dev/kmsg (both agents read the real kernel log)"}
     npd = npd_binary()
     work = Path(tempfile.mkdtemp(prefix="bench-npd-"))
-    admin = cp.admin()
-    host = SimHost(work / "host", gpus=8)
-    node = f"bench-npd-{secrets.token_hex(3)}"
-    create_node(admin, node, {"nvidia.com/gpu.present": "true"}, host.plugin_resources())
-    _, info = service_account_client(admin, AGENT_RULES, pod_on_node=node)
-    agent = AgentProc(cp, host, node, info["token"], workdir=work, kmsg="/dev/kmsg",
-                      extra={"--kmsg-trust-user": "true"}).start()
+    agent, _ = launch_agent(cp, work, "bench-npd", {"--kmsg-trust-user": "true"}, kmsg="/dev/kmsg")
+    node = agent.node
     kc = cp.kubeconfig(work / "npd.kubeconfig")
     cfg = npd_config(work / "gpu-xid-monitor.json")
     seen: dict[str, Any] = {}
@@ -113,12 +104,7 @@ def run(cp: ControlPlane, reps: int = 10) -> dict[str, Any]:
             npd_lat.append(seen["t_npd"] - t0)
             sampler.stop()
             npd_rss += [s[1] for s in sampler.samples]
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+            terminate_group(p)
             log.close()
             with cv:
                 seen["want"] = None
@@ -128,7 +114,6 @@ def run(cp: ControlPlane, reps: int = 10) -> dict[str, Any]:
         agent_rss = [s[1] for s in agent_sampler.samples]
         watch.stop()
         agent.terminate()
-        admin.close()
     g, n = summary_ms(gpu_lat), summary_ms(npd_lat)
     res = {
         "repetitions": reps, "gpu_ready": g, "npd": n,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import secrets
 import tempfile
 import time
 from pathlib import Path
@@ -19,10 +18,8 @@ from agent.probes.kmsg import KmsgSource, format_record
 from agent.report.metrics import Metrics
 from agent.runner import KMSG_BATCH, KernelLogIngest
 from agent.state import LatchState
-from agent.testing.cluster import AGENT_RULES, create_node, service_account_client
 from agent.testing.controlplane import ControlPlane
-from agent.testing.harness import AgentProc, wait_for
-from agent.testing.simhost import SimHost
+from agent.testing.harness import launch_agent, wait_for
 from agent.xid import KernelLogParser
 from bench.common import ProcSampler, save
 
@@ -69,12 +66,7 @@ def in_process(n: int, work: Path) -> dict[str, Any]:
 
 
 def in_agent(cp: ControlPlane, n: int, work: Path) -> dict[str, Any]:
-    admin = cp.admin()
-    host = SimHost(work / "host", gpus=8)
-    node = f"bench-storm-{secrets.token_hex(3)}"
-    create_node(admin, node, {"nvidia.com/gpu.present": "true"}, host.plugin_resources())
-    _, info = service_account_client(admin, AGENT_RULES, pod_on_node=node)
-    agent = AgentProc(cp, host, node, info["token"], workdir=work, extra={"--poll-interval": "30"}).start()
+    agent, host = launch_agent(cp, work, "bench-storm", {"--poll-interval": "30"})
     try:
         wait_for(lambda: agent.metric("gpu_ready_condition_writes_total") == 1, 60, 0.2, "first report")
         sampler = ProcSampler(agent.proc.pid, 0.2).start()  # type: ignore[union-attr]
@@ -103,7 +95,6 @@ def in_agent(cp: ControlPlane, n: int, work: Path) -> dict[str, Any]:
         return res
     finally:
         agent.terminate()
-        admin.close()
 
 
 def run(cp: ControlPlane, n: int = 800_000) -> dict[str, Any]:

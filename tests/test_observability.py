@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.testing.controlplane import free_port, testbin_dir
+from agent.testing.controlplane import free_port, terminate_group, testbin_dir
 from agent.testing.harness import wait_for
 from tests.conftest import IN_CI
 
@@ -159,11 +159,48 @@ def test_real_prometheus_scrape_and_fatal_xid_alert(agent_factory, admin, simhos
         print(f"\n[scrape] 8-GPU node: {series} series healthy, {series_after} with one fatal Xid; "
               f"scrape duration {duration * 1000:.1f} ms")
     finally:
-        prom.terminate()
-        try:
-            prom.wait(10)
-        except subprocess.TimeoutExpired:
-            prom.kill()
-            prom.wait(5)
+        terminate_group(prom)
         log.close()
     assert prom.returncode is not None
+
+
+def test_openmetrics_negotiation_and_health_codes():
+    import urllib.error
+
+    from agent.report.metrics import Metrics
+    from agent.report.server import HealthServer
+    state = {"healthy": (True, "ok"), "ready": (False, "first check cycle not completed")}
+    srv = HealthServer("127.0.0.1:0", Metrics().registry, lambda: state["healthy"], lambda: state["ready"]).start()
+    base = f"http://127.0.0.1:{srv.port}"
+    try:
+        req = urllib.request.Request(f"{base}/metrics", headers={"Accept": "application/openmetrics-text"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+            assert r.read().decode().rstrip().endswith("# EOF")
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
+            assert r.headers["Content-Type"].startswith("text/plain")
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(f"{base}/readyz", timeout=5)
+        assert ei.value.code == 503
+        state["healthy"] = (False, "no check cycle completed for 95s (limit 90s)")
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(f"{base}/healthz", timeout=5)
+        assert ei.value.code == 503 and b"no check cycle" in ei.value.read()
+    finally:
+        srv.stop()
+
+
+def test_agent_health_turns_503_when_the_loop_stalls(simhost):
+    import time as _time
+
+    from agent import config
+    from agent.kube import KubeApi
+    from agent.runner import Agent
+    cfg = config.load(None, environ={}, overrides={"node_name": "n", "poll_interval": 10, "nvidia_smi_timeout": 5,
+                                                   "state_dir": str(simhost.state_dir), "kmsg": str(simhost.kmsg)})
+    agent = Agent(cfg, api=KubeApi.from_token("https://127.0.0.1:1", "t"))
+    assert agent.healthy()[0] and not agent.ready()[0]
+    agent.cycles, agent.last_cycle_mono = 1, _time.monotonic() - 36  # 3 intervals + the smi timeout = 35 s
+    ok, why = agent.healthy()
+    assert not ok and "no check cycle completed" in why
+    assert agent.ready()[0]

@@ -119,7 +119,9 @@ def test_serving_and_burnin_commands_are_judged(tmp_path):
     slow.chmod(0o755)
     prof = Profile.from_mapping({"serving": {"command": str(ok), "expectOutput": "Paris", "maxLatencySeconds": 5},
                                  "burnInCommand": "false"})
-    res = {r.gate: r for r in run_gates(build_gates(prof, "nvidia-smi"), {})}
+    from tests.fakes import fake_nvml
+    nv = fake_nvml([{"busId": "00000000:19:00.0"}])
+    res = {r.gate: r for r in run_gates(build_gates(prof, "nvidia-smi", None, nv, None), {})}
     assert res["serving"].status == PASS and res["serving"].evidence["exit_code"] == 0
     assert res["burnin"].status == FAIL and "exited 1" in res["burnin"].reason
     prof = Profile.from_mapping({"serving": {"command": str(slow), "maxLatencySeconds": 0.2}})
@@ -227,3 +229,50 @@ def test_agent_reports_true_only_after_preflight_passed(admin, agent_factory):
     admin.patch_node(a.node, {"metadata": {"labels": {"preflight": "passed"}}})
     a.wait_status(admin, "True", timeout=20)
 
+
+
+# -- the burn-in watch (NVML stand-in: no real NVML on CI machines; kmsg: the simulated host's file) -------
+
+
+def _burnin_profile(cmd: str) -> Profile:
+    return Profile.from_mapping({"burnInCommand": cmd, "timeouts": {"burnin": 30}})
+
+
+def test_burnin_command_watched_clean_passes(simhost):
+    from tests.fakes import fake_nvml
+    gpus = [{"busId": "00000000:19:00.0", "remap": (0, 0, 0, 0), "throttle": 0x4 | 0x20}]  # power + thermal cap
+    gates = build_gates(_burnin_profile("sleep 1.5"), "nvidia-smi", None, fake_nvml(gpus), str(simhost.kmsg))
+    r = run_gates({"burnin": gates["burnin"]}, {})[0]
+    assert r.status == PASS and r.evidence["watch"] == []
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    (lambda g, h: g[0].update(ecc_unc=3), "GPU 0: 3 uncorrected ECC errors during burn-in"),
+    (lambda g, h: g[0].update(retired=1), "GPU 0: 1 new retired pages"),
+    (lambda g, h: g[0].update(remap=(0, 1, 1, 0)), "GPU 0: 1 new remapped rows"),
+    (lambda g, h: g[0].update(throttle=0x8), "GPU 0: clocks throttled by HwSlowdown"),
+    (lambda g, h: h.append_xid(13, 0), "Xid 13 on 0000:19:00 during burn-in"),
+])
+def test_burnin_watch_fails_on_each_fault(simhost, change, needle):
+    from tests.fakes import fake_nvml
+    gpus = [{"busId": "00000000:19:00.0", "remap": (0, 0, 0, 0)}]
+    simhost.append_xid(79, 0)  # logged before the burn-in: must not count
+    nv = fake_nvml(gpus)
+    gates = build_gates(_burnin_profile("sleep 2.5"), "nvidia-smi", None, nv, str(simhost.kmsg))
+
+    def fault_midway():
+        time.sleep(0.8)
+        change(gpus, simhost)
+    import threading
+    t = threading.Thread(target=fault_midway)
+    t.start()
+    r = run_gates({"burnin": gates["burnin"]}, {})[0]
+    t.join()
+    assert r.status == FAIL and needle in r.reason, r.reason
+    assert "Xid 79" not in r.reason
+
+
+def test_burnin_without_nvml_cannot_pass(simhost):
+    gates = build_gates(_burnin_profile("true"), "nvidia-smi", None, None, str(simhost.kmsg))
+    r = run_gates({"burnin": gates["burnin"]}, {})[0]
+    assert r.status == FAIL and "NVML unavailable" in r.reason

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-import types
 
 import pytest
 
@@ -15,6 +14,7 @@ from agent.probes.kmsg import KmsgSource, KmsgUnavailable, format_record
 from agent.probes.nvidia_smi import NvidiaSmiRunner, probe_nvidia_smi
 from agent.probes.nvml import NvmlProbe
 from agent.probes.pci import list_pci_gpus, probe_pci
+from tests.fakes import fake_nvml
 
 # -- PCI ------------------------------------------------------------------------------------------------
 
@@ -127,59 +127,6 @@ def test_unreapable_child_is_abandoned_and_no_second_one_starts(simhost, monkeyp
 
 
 # -- NVML with a stand-in library ------------------------------------------------------------------------
-
-
-class FakeNVMLError(Exception):
-    def __init__(self, value):
-        super().__init__(f"NVML error {value}")
-        self.value = value
-
-
-def fake_nvml(gpus, init_error=None, hang=None):
-    """gpus: list of dicts with busId, handle_error, recovery, remap=(c,u,pending,failure), links=[states]."""
-    m = types.SimpleNamespace(NVMLError=FakeNVMLError, NVML_ERROR_LIBRARY_NOT_FOUND=12,
-                              NVML_ERROR_DRIVER_NOT_LOADED=9, NVML_FEATURE_ENABLED=1, NVML_NVLINK_MAX_LINKS=18,
-                              NVML_DEVICE_MIG_ENABLE=1)
-
-    def call(name, fn):
-        def wrapped(*a):
-            if hang == name:
-                time.sleep(5)
-            return fn(*a)
-        wrapped.__name__ = name
-        setattr(m, name, wrapped)
-
-    def init():
-        if init_error:
-            raise FakeNVMLError(init_error)
-    call("nvmlInit", init)
-    call("nvmlSystemGetDriverVersion", lambda: b"590.48.01")
-    call("nvmlDeviceGetCount", lambda: len(gpus))
-
-    def handle(i):
-        if gpus[i].get("handle_error"):
-            raise FakeNVMLError(gpus[i]["handle_error"])
-        return i
-    call("nvmlDeviceGetHandleByIndex", handle)
-    call("nvmlDeviceGetPciInfo", lambda h: types.SimpleNamespace(busId=gpus[h]["busId"].encode()))
-    call("nvmlDeviceGetName", lambda h: b"NVIDIA H100")
-    call("nvmlDeviceGetFieldValues", lambda h, ids: [types.SimpleNamespace(
-        nvmlReturn=0, value=types.SimpleNamespace(uiVal=gpus[h].get("recovery", 0)))])
-
-    def remap(h):
-        if "remap" not in gpus[h]:
-            raise FakeNVMLError(3)
-        return gpus[h]["remap"]
-    call("nvmlDeviceGetRemappedRows", remap)
-    call("nvmlDeviceGetMigMode", lambda h: (0, 0))
-
-    def link(h, i):
-        links = gpus[h].get("links", [])
-        if i >= len(links):
-            raise FakeNVMLError(3)
-        return links[i]
-    call("nvmlDeviceGetNvLinkState", link)
-    return m
 
 
 def test_nvml_faults_per_gpu():

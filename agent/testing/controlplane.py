@@ -145,7 +145,7 @@ class ControlPlane:
         return path
 
     def stop_apiserver(self) -> None:
-        _terminate(self.apiserver)
+        terminate_group(self.apiserver)
 
     def restart_apiserver(self, timeout_s: float = 60.0) -> None:
         self._spawn_apiserver()
@@ -159,7 +159,7 @@ class ControlPlane:
 
     def stop(self) -> None:
         for p in reversed(self.procs):
-            _terminate(p)
+            terminate_group(p)
         self.procs.clear()
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -171,7 +171,8 @@ class ControlPlane:
         self.stop()
 
 
-def _terminate(p: subprocess.Popen[bytes]) -> None:
+def terminate_group(p: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the process group of a child started with start_new_session, SIGKILL after 10 s."""
     if p.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,6 +20,23 @@ from agent.testing.simhost import SimHost
 
 FAST = {"--poll-interval": "0.5", "--heartbeat-interval": "300", "--recovery-polls": "2",
         "--nvidia-smi-timeout": "5", "--plugin-grace": "0", "--event-interval": "300", "--api-timeout": "5"}
+
+
+def launch_agent(cp: ControlPlane, workdir: Path, name_prefix: str, extra: dict[str, str] | None = None,
+                 kmsg: str | None = None, gpus: int = 8) -> tuple[AgentProc, SimHost]:
+    """A simulated GPU host, a GPU Node for it, a ServiceAccount with the agent's RBAC (token bound to a
+    Pod on that node) and the real agent running for it."""
+    from agent.testing.cluster import AGENT_RULES, create_node, service_account_client
+
+    admin = cp.admin()
+    try:
+        host = SimHost(workdir / "host", gpus=gpus)
+        node = f"{name_prefix}-{secrets.token_hex(3)}"
+        create_node(admin, node, {"nvidia.com/gpu.present": "true"}, host.plugin_resources())
+        _, info = service_account_client(admin, AGENT_RULES, pod_on_node=node)
+    finally:
+        admin.close()
+    return AgentProc(cp, host, node, info["token"], extra=extra, workdir=workdir, kmsg=kmsg).start(), host
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05, what: str = "condition") -> Any:
