@@ -169,6 +169,50 @@ def read_spec_nvidia_smi(nvidia_smi: str, timeout_s: float = 30) -> tuple[list[G
     return gpus, cuda
 
 
+def read_spec_nvml(nv: Any) -> tuple[list[GpuSpec], str | None]:
+    """The primary reader: NVML (nvidia-ml-py, or a stand-in with the same calls)."""
+    def text(v: Any) -> str:
+        return v.decode() if isinstance(v, bytes) else str(v)
+    driver = text(nv.nvmlSystemGetDriverVersion())
+    cu = int(nv.nvmlSystemGetCudaDriverVersion_v2())
+    cuda = f"{cu // 1000}.{cu % 1000 // 10}"
+    gpus = []
+    for i in range(nv.nvmlDeviceGetCount()):
+        h = nv.nvmlDeviceGetHandleByIndex(i)
+        mig = ecc = None
+        try:
+            mig = "Enabled" if nv.nvmlDeviceGetMigMode(h)[0] == 1 else "Disabled"
+        except nv.NVMLError:
+            mig = "N/A"
+        try:
+            ecc = "Enabled" if nv.nvmlDeviceGetEccMode(h)[0] == 1 else "Disabled"
+        except nv.NVMLError:
+            ecc = "N/A"
+        up = 0
+        for link in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)):
+            try:
+                up += nv.nvmlDeviceGetNvLinkState(h, link) == 1
+            except nv.NVMLError:
+                break
+        gpus.append(GpuSpec(i, text(nv.nvmlDeviceGetPciInfo(h).busId), text(nv.nvmlDeviceGetName(h)),
+                            int(nv.nvmlDeviceGetMemoryInfo(h).total) // 2**20, driver, mig,
+                            int(nv.nvmlDeviceGetMaxPcieLinkGeneration(h)), int(nv.nvmlDeviceGetMaxPcieLinkWidth(h)),
+                            ecc, up))
+    return gpus, cuda
+
+
+def read_spec(nvidia_smi: str, nv: Any = None) -> tuple[list[GpuSpec], str | None, str]:
+    """NVML first, nvidia-smi when NVML is not there or fails; returns (gpus, cuda, source)."""
+    if nv is not None:
+        try:
+            gpus, cuda = read_spec_nvml(nv)
+            return gpus, cuda, "nvml"
+        except Exception:  # NVML present but broken for this query: fall back
+            pass
+    gpus, cuda = read_spec_nvidia_smi(nvidia_smi)
+    return gpus, cuda, "nvidia-smi"
+
+
 def check_spec(profile: Profile, gpus: list[GpuSpec], cuda: str | None) -> GateResult:
     problems: list[str] = []
     p = profile
@@ -459,8 +503,10 @@ DEFAULT_TIMEOUTS = {"spec": 60.0, "burnin": 900.0, "nvlink": 300.0, "cuda": 120.
 def build_gates(profile: Profile, nvidia_smi: str, cuda: Any = None, nvml: Any = None,
                 kmsg: str | None = "/dev/kmsg", kmsg_trust_user: bool = False) -> dict[str, GateFn]:
     def spec() -> GateResult:
-        gpus, ver = read_spec_nvidia_smi(nvidia_smi)
-        return check_spec(profile, gpus, ver)
+        gpus, ver, source = read_spec(nvidia_smi, nvml)
+        res = check_spec(profile, gpus, ver)
+        res.evidence["source"] = source
+        return res
 
     def burnin() -> GateResult:
         if not profile.burnin_command and cuda is None:

@@ -76,7 +76,9 @@ def decide(obs: Observation, latched: Sequence[LatchedFault] = (), *,
         if addr is not None:
             problems.setdefault(addr, []).append(f"{reason.value}: {text}")
 
-    for lf in sorted(latched, key=lambda f: (f.since, f.key)):
+    # Faults on the node's own GPUs first (the actionable ones; they survive message truncation), then
+    # addresses that match no GPU and NVSwitch SXids; oldest first within each group.
+    for lf in sorted(latched, key=lambda f: (f.gpu is None or f.gpu not in gpus, f.since, f.key)):
         what = {"sxid": f"fatal SXid {lf.xid} on NVSwitch {lf.raw_address}",
                 "fallen_off_bus": "fell off the bus"}.get(lf.source, f"Xid {lf.xid}")
         if lf.source == "xid" and lf.gpu is not None and lf.gpu not in gpus:

@@ -23,7 +23,7 @@ def start(cp: ControlPlane) -> tuple[AgentProc, Any]:
 
 
 def finish(agent: AgentProc, sampler: ProcSampler, seconds: float) -> dict[str, Any]:
-    wait_for(lambda: agent.metric("gpu_ready_condition_writes_total") == 1, 60, 0.2, "first report")
+    wait_for(lambda: (agent.metric("gpu_ready_condition_writes_total") or 0) >= 1, 60, 0.2, "first report")
     end = sampler.samples[0][0] + seconds
     while time.monotonic() < end:
         time.sleep(1)

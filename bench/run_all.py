@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 from agent.testing.controlplane import ControlPlane
 from bench import footprint, latency, npd_compare, storm, write_rate
@@ -32,6 +33,15 @@ def main() -> None:
         npd = npd_compare.run(cp, a.npd_reps)
         print("[bench] waiting for the footprint run to reach its duration ...", flush=True)
         fp = footprint.finish(fp_agent, fp_sampler, a.footprint_seconds)
+    print()
+    print(f"Machine: {machine()}; total {time.monotonic() - t0:.0f} s")
+    print(summary({"latency": lat, "storm": st, "write_rate": wr, "npd_compare": npd, "footprint": fp}))
+    print("\nDetails:", json.dumps({"write_rate": wr, "npd": npd}, indent=1))
+    print(f"JSON results in {OUT}/")
+
+
+def summary(r: dict[str, Any]) -> str:
+    lat, st, wr, npd, fp = r["latency"], r["storm"], r["write_rate"], r["npd_compare"], r["footprint"]
     ok = lambda b: "ok" if b else "MISSED"  # noqa: E731
     s_in, s_ag = st["in_process"], st["agent"]
     rows = [
@@ -67,11 +77,7 @@ def main() -> None:
             ("vs node-problem-detector: RSS", f"gpu-ready {npd['gpu_ready_rss_mib']['median']} MiB, NPD "
              f"{npd['npd_rss_mib']['median']} MiB ({npd['rss_ratio_gpu_ready_over_npd']}x)", "-", "-"),
         ]
-    print()
-    print(f"Machine: {machine()}; total {time.monotonic() - t0:.0f} s")
-    print(table(rows))
-    print("\nDetails:", json.dumps({"write_rate": wr, "npd": npd}, indent=1))
-    print(f"JSON results in {OUT}/")
+    return table(rows)
 
 
 if __name__ == "__main__":

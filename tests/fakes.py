@@ -62,4 +62,10 @@ def fake_nvml(gpus, init_error=None, hang=None):
     call("nvmlDeviceGetRetiredPages", lambda h, cause: list(range(gpus[h].get("retired", 0))) if cause == 1 else [])
     call("nvmlDeviceGetCurrentClocksEventReasons", lambda h: gpus[h].get("throttle", 0))
     call("nvmlShutdown", lambda: None)
+    # spec reading
+    call("nvmlSystemGetCudaDriverVersion_v2", lambda: 12040)
+    call("nvmlDeviceGetMemoryInfo", lambda h: types.SimpleNamespace(total=gpus[h].get("mem_mib", 81559) * 2**20))
+    call("nvmlDeviceGetEccMode", lambda h: (gpus[h].get("ecc_mode", 1), 1))
+    call("nvmlDeviceGetMaxPcieLinkGeneration", lambda h: gpus[h].get("pcie_gen", 5))
+    call("nvmlDeviceGetMaxPcieLinkWidth", lambda h: gpus[h].get("pcie_width", 16))
     return m

@@ -232,6 +232,7 @@ def test_real_dev_kmsg_record_turns_condition_false(admin, agent_factory, tmp_pa
     with open("/dev/kmsg", "w") as fh:
         fh.write(f"<3>{host.xid_line(79, 6)}\n")
     wait_for(lambda: label in a.gpu_ready(admin)["message"], 10, what=label)
+    assert a.metric("gpu_ready_gpu_healthy", {"gpu": "6"}) == 0
     c = a.gpu_ready(admin)
     assert (c["status"], c["reason"]) == ("False", "FatalXid")
     print(f"\n[latency] real /dev/kmsg write -> condition names the GPU in {(time.monotonic() - t0) * 1000:.0f} ms")

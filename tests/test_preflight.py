@@ -276,3 +276,19 @@ def test_burnin_without_nvml_cannot_pass(simhost):
     gates = build_gates(_burnin_profile("true"), "nvidia-smi", None, None, str(simhost.kmsg))
     r = run_gates({"burnin": gates["burnin"]}, {})[0]
     assert r.status == FAIL and "NVML unavailable" in r.reason
+
+
+def test_spec_reads_nvml_first_and_falls_back_to_nvidia_smi(simhost):
+    from agent.preflight import read_spec
+    from tests.fakes import fake_nvml
+    gpus = [{"busId": f"00000000:{b:02X}:00.0", "links": [1] * 18} for b in (0x19, 0x3B)]
+    gpus[1]["links"] = [1] * 16 + [0, 0]
+    got, cuda, source = read_spec(str(simhost.nvidia_smi), fake_nvml(gpus))
+    assert source == "nvml" and cuda == "12.4" and [g.nvlink_up for g in got] == [18, 16]
+    r = check_spec(Profile.from_mapping({**H100, "gpuCount": 2}), got, cuda)
+    assert r.status == FAIL and "GPU 1 (00000000:3B:00.0): 16 NVLink links up, expected 18" in r.reason
+    broken = fake_nvml(gpus)
+    del broken.nvmlSystemGetCudaDriverVersion_v2
+    got, cuda, source = read_spec(str(simhost.nvidia_smi), broken)
+    assert source == "nvidia-smi" and len(got) == 8
+    assert read_spec(str(simhost.nvidia_smi), None)[2] == "nvidia-smi"

@@ -131,3 +131,10 @@ def test_message_stays_under_one_kib():
 def test_verdict_is_pure():
     o = obs([Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, "ERR! in Fan", A0)])
     assert decide(o) == decide(o)
+
+
+def test_faults_on_known_gpus_survive_truncation():
+    stale = [latched(79, PciAddress(0, b, 0)) for b in range(0x40, 0x80)]  # addresses of no GPU on this node
+    new = LatchedFault(79, A1.kernel, A1, "xid", "t", 99.0)
+    v = decide(obs(), [*stale, new])
+    assert v.message.startswith("FatalXid: GPU 1 (00000000:3B:00.0): Xid 79") and v.message.endswith("more)")
