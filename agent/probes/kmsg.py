@@ -72,6 +72,51 @@ def format_record(text: str, seq: int, usec: int = 0, facility: int = KERNEL_FAC
     return f"{facility << 3 | level},{seq},{usec},-;{escaped}\n"
 
 
+class _Inotify:
+    """Wakes a reader when a regular file changes (Linux inotify through libc), so following a file
+    costs no polling. `available` is False where inotify cannot be used; callers then poll."""
+
+    IN_MODIFY, IN_ATTRIB, IN_MOVE_SELF, IN_DELETE_SELF = 0x2, 0x4, 0x800, 0x400
+    IN_NONBLOCK, IN_CLOEXEC = 0o4000, 0o2000000
+
+    def __init__(self, path: str) -> None:
+        self.fd = -1
+        try:
+            import ctypes
+            import ctypes.util
+
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            fd = libc.inotify_init1(self.IN_NONBLOCK | self.IN_CLOEXEC)
+            if fd < 0:
+                return
+            mask = self.IN_MODIFY | self.IN_ATTRIB | self.IN_MOVE_SELF | self.IN_DELETE_SELF
+            if libc.inotify_add_watch(fd, path.encode(), mask) < 0:
+                os.close(fd)
+                return
+            self.fd = fd
+        except (OSError, AttributeError):
+            self.fd = -1
+
+    @property
+    def available(self) -> bool:
+        return self.fd >= 0
+
+    def wait(self, timeout: float) -> bool:
+        r, _, _ = select.select([self.fd], [], [], timeout)
+        if r:
+            try:
+                while os.read(self.fd, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        return bool(r)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class KmsgUnavailable(OSError):
     """The kernel log could not be opened or read."""
 
@@ -92,6 +137,7 @@ class KmsgSource:
         self._buf = b""
         self._offset = 0
         self._ino: int | None = None
+        self._notify: _Inotify | None = None
 
     def open(self) -> None:
         self.close()
@@ -105,8 +151,13 @@ class KmsgSource:
         self._ino = st.st_ino
         self._offset = 0
         self._buf = b""
+        if not self.is_device:
+            self._notify = _Inotify(self.path)
 
     def close(self) -> None:
+        if self._notify is not None:
+            self._notify.close()
+            self._notify = None
         if self.fd is not None:
             try:
                 os.close(self.fd)
@@ -144,7 +195,10 @@ class KmsgSource:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            time.sleep(min(0.02, left))
+            if self._notify is not None and self._notify.available:
+                self._notify.wait(left)  # woken by the kernel when the file changes; then re-check
+            else:
+                time.sleep(min(0.05, left))
 
     # -- internals ---------------------------------------------------------------------------
 
