@@ -25,10 +25,6 @@ class ApiError(Exception):
         self.status = status
         self.body = body or {}
 
-    @property
-    def transient(self) -> bool:
-        return self.status == 0 or self.status in (408, 409, 429) or self.status >= 500
-
 
 class KubeApi:
     def __init__(self, configuration: Configuration, timeout_s: float = 10.0,

@@ -38,7 +38,6 @@ EXIT_CODE_MEANING = {
     15: "GPU fell off the bus or became inaccessible", 255: "internal driver error",
 }
 # Field names by cell and token position in the GPU block (same in every layout).
-LINE1_FIELDS = ("Name", "Persistence-M")
 LINE2_CELL1 = ("Fan", "Temp", "Perf", "Pwr:Usage", "Pwr:Cap")
 ERR = "ERR!"
 

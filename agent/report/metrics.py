@@ -20,7 +20,6 @@ from agent.model import Reason, Status, Verdict, XidEvent
 
 disable_created_metrics()  # *_created series double the series count and nothing here uses them
 
-COUNT_SOURCES = ("pci", "nvidia_smi", "plugin_capacity", "plugin_allocatable", "plugin_physical")
 CHECKS = ("nvidia_smi", "pci", "device_plugin", "nvml", "xid")
 
 

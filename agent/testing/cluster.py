@@ -35,12 +35,6 @@ def create_node(api: KubeApi, name: str, labels: dict[str, str] | None = None,
     }})
 
 
-def set_node_resources(api: KubeApi, name: str, capacity: dict[str, str],
-                       allocatable: dict[str, str] | None = None) -> dict[str, Any]:
-    return api.patch_node_status(name, {"status": {"capacity": capacity,
-                                                   "allocatable": allocatable or capacity}})
-
-
 def condition(node: dict[str, Any], ctype: str) -> dict[str, Any] | None:
     for c in (node.get("status") or {}).get("conditions") or []:
         if c.get("type") == ctype:
