@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.testing.controlplane import free_port, terminate_group, testbin_dir
+from agent.testing import controlplane
+from agent.testing.controlplane import free_port, terminate_group
 from agent.testing.harness import wait_for
 from tests.conftest import IN_CI
 
@@ -23,7 +24,7 @@ DOC_METRICS = ROOT / "docs" / "metrics.md"
 
 
 def tool(name: str) -> str:
-    bd = testbin_dir()
+    bd = controlplane.testbin_dir()
     path = bd / name if bd else None
     if path is None or not path.exists():
         msg = f"{name} not found in {bd}; run tools/k8s-testbin/build.sh"
