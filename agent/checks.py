@@ -24,24 +24,20 @@ class CycleStats:
 
 
 def mig_layout(table: SmiTable | None, nvml: NvmlSnapshot | None) -> MigLayout | None:
+    """MIG state per GPU from NVML when it answered, else from nvidia-smi's MIG section."""
     if nvml is not None and nvml.gpus:
-        lay = MigLayout()
-        for g in nvml.gpus:
-            lay.mig_enabled_gpus += g.mig_enabled
-            lay.full_gpus += not g.mig_enabled
-            lay.gpus_with_mig_devices += g.mig_devices > 0
-            lay.mig_devices += g.mig_devices
-        return lay
-    if table is not None and table.gpus:
-        lay = MigLayout()
-        for s in table.gpus:
-            enabled = s.mig_mode == "Enabled"
-            lay.mig_enabled_gpus += enabled
-            lay.full_gpus += not enabled
-            lay.gpus_with_mig_devices += s.mig_devices > 0
-            lay.mig_devices += s.mig_devices
-        return lay
-    return None
+        per_gpu = [(g.mig_enabled, g.mig_devices) for g in nvml.gpus]
+    elif table is not None and table.gpus:
+        per_gpu = [(s.mig_mode == "Enabled", s.mig_devices) for s in table.gpus]
+    else:
+        return None
+    lay = MigLayout()
+    for enabled, devices in per_gpu:
+        lay.mig_enabled_gpus += enabled
+        lay.full_gpus += not enabled
+        lay.gpus_with_mig_devices += devices > 0
+        lay.mig_devices += devices
+    return lay
 
 
 class CheckSuite:

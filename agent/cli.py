@@ -35,10 +35,7 @@ def read_kernel_log(cfg: config_mod.Config) -> tuple[list[XidEvent], Finding | N
     events: list[XidEvent] = []
     try:
         src.open()
-        while True:
-            records, _lost = src.read_available(100_000)
-            if not records:
-                break
+        for records in src.drain():
             for r in records:
                 events += parser.feed(r.text, r.seq, r.usec)
     except KmsgUnavailable as e:

@@ -407,8 +407,8 @@ class BurnInWatch:
         self.before = {i: self._counters(h) for i, h in enumerate(self.handles)}
         if self.kmsg is not None:
             self.kmsg.open()
-            while self.kmsg.read_available(10_000)[0]:
-                pass  # skip what was logged before the burn-in
+            for _skipped in self.kmsg.drain():
+                pass  # what was logged before the burn-in does not count
 
     def sample(self) -> None:
         for i, h in enumerate(self.handles):
@@ -431,10 +431,7 @@ class BurnInWatch:
             problems.append(f"GPU {i}: clocks throttled by {', '.join(sorted(reasons))}")
         if self.kmsg is not None:
             parser = KernelLogParser(XidClassifier(unknown_fatal=True))
-            while True:
-                recs, _ = self.kmsg.read_available(10_000)
-                if not recs:
-                    break
+            for recs in self.kmsg.drain():
                 for r in recs:
                     for ev in parser.feed(r.text, r.seq, r.usec):
                         problems.append(f"Xid {ev.xid} on {ev.raw_address} during burn-in: {ev.text[:120]}")

@@ -98,6 +98,9 @@ class Agent:
         self.last_node: dict[str, Any] | None = None
         self.last_node_at = 0.0
         self.bad_obs: Observation | None = None
+        self.last_level_false = False  # the last cycle's level checks alone said False
+        self.preflight_passed = False
+        self._bad_clear: str | None = None  # the last unparseable clear annotation, logged once
         self.clean_streak = 0
         self.startup_hold: dict[str, Any] | None = None
         self.adopted = False
@@ -234,6 +237,7 @@ class Agent:
             obs.findings.append(Finding.unchecked(Check.XID, self.kmsg_problem, kind="kmsg_unavailable"))
             self.metrics.check_failures.labels("xid").inc()
         level = decide(obs)
+        self.last_level_false = level.status is Status.FALSE
         if level.status is Status.FALSE:
             if self.bad_obs is None:
                 self.log.warning("level fault", reason=level.reason.value, message=level.message)
@@ -270,7 +274,7 @@ class Agent:
             return
         before = parse_rfc3339(ann)
         if before is None:
-            if getattr(self, "_bad_clear", None) != ann:
+            if self._bad_clear != ann:
                 self._bad_clear = ann
                 self.log.error("ignoring clear annotation: not an RFC 3339 time", annotation=CLEAR_ANNOTATION,
                                value=ann)
@@ -286,10 +290,10 @@ class Agent:
     def evaluate(self) -> Verdict:
         assert self.last_obs is not None
         obs = self.last_obs
-        if self.bad_obs is not None and decide(obs).status is not Status.FALSE:
+        if self.bad_obs is not None and not self.last_level_false:
             obs = self.bad_obs  # recovering: keep the fault until enough clean polls
         v = decide(obs, self.state.snapshot(), preflight_required=self.cfg.require_preflight,
-                   preflight_passed=getattr(self, "preflight_passed", False))
+                   preflight_passed=self.preflight_passed)
         hold = self.startup_hold
         if hold is not None and v.status is Status.TRUE:
             try:

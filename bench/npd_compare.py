@@ -46,10 +46,7 @@ def npd_config(path: Path) -> Path:
 def addresses_in_ring_buffer() -> set[int]:
     """Bus numbers of Xid records already in the real kernel ring buffer (from earlier runs)."""
     src, parser, buses = KmsgSource("/dev/kmsg", trust_user=True), KernelLogParser(), set()
-    while True:
-        recs, _ = src.read_available(10_000)
-        if not recs:
-            break
+    for recs in src.drain():
         for r in recs:
             for ev in parser.feed(r.text):
                 if ev.address is not None:

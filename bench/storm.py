@@ -53,10 +53,7 @@ def in_process(n: int, work: Path) -> dict[str, Any]:
     ingest = KernelLogIngest(KernelLogParser(), state, metrics)  # the agent's own hot path
     t0 = time.perf_counter()
     total = 0
-    while True:
-        recs, _ = src.read_available(KMSG_BATCH)
-        if not recs:
-            break
+    for recs in src.drain(KMSG_BATCH):
         ingest.process(recs)
         total += len(recs)
     took = time.perf_counter() - t0

@@ -238,18 +238,15 @@ def test_real_dev_kmsg_record_turns_condition_false(admin, agent_factory, tmp_pa
     print(f"\n[latency] real /dev/kmsg write -> condition names the GPU in {(time.monotonic() - t0) * 1000:.0f} ms")
 
 
-def test_apiserver_outage_fault_during_outage_is_reported_after(control_plane, tmp_path, simhost):
+def test_apiserver_outage_fault_during_outage_is_reported_after(control_plane, tmp_path):
     """Own control plane: stop kube-apiserver mid-run, cause a fault while it is down, start it again."""
-    from agent.testing.cluster import create_node, service_account_client
     from agent.testing.controlplane import ControlPlane
-    from agent.testing.harness import AgentProc
+    from agent.testing.harness import launch_agent
 
     cp = ControlPlane(control_plane.bin_dir, workdir=str(tmp_path / "cp")).start()
     try:
         admin = cp.admin()
-        create_node(admin, "outage-node", {"nvidia.com/gpu.present": "true"}, simhost.plugin_resources())
-        _, info = service_account_client(admin, AGENT_RULES, pod_on_node="outage-node")
-        a = AgentProc(cp, simhost, "outage-node", info["token"], workdir=tmp_path).start()
+        a, simhost = launch_agent(cp, tmp_path / "agent", "outage-node")
         try:
             a.wait_status(admin, "True", timeout=30)
             cp.stop_apiserver()

@@ -15,6 +15,7 @@ import re
 import select
 import stat
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 _ESC = re.compile(rb"\\x([0-9a-fA-F]{2})")
@@ -176,6 +177,14 @@ class KmsgSource:
         before = self.lost_records
         out = self._read_device(max_records) if self.is_device else self._read_file(max_records)
         return out, self.lost_records - before
+
+    def drain(self, batch: int = 10_000) -> Iterator[list[KmsgRecord]]:
+        """Yields what is there now, in batches of at most `batch` records, until nothing is left."""
+        while True:
+            records, _lost = self.read_available(batch)
+            if not records:
+                return
+            yield records
 
     def wait(self, timeout: float) -> bool:
         """Blocks until new data may be there (select() on the device; a cheap size check on a file)."""
