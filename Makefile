@@ -29,12 +29,13 @@ test-fast: dev
 
 ## lint: ruff + mypy
 lint: dev
-	$(BIN)/ruff check agent tests bench
+	$(BIN)/ruff check agent tests bench testkit
+	$(BIN)/ruff format --check agent tests bench testkit
 	$(BIN)/mypy
 
 ## demo: local control plane + simulated GPU node + the real agent: healthy -> ERR! -> Xid 79 -> clear
 demo: dev testbin
-	$(BIN)/python -m agent.demo
+	$(BIN)/python -m testkit.demo
 
 ## bench: the benchmarks in bench/, one summary table
 bench: dev testbin

@@ -41,8 +41,7 @@ def mig_layout(table: SmiTable | None, nvml: NvmlSnapshot | None) -> MigLayout |
 
 
 class CheckSuite:
-    def __init__(self, cfg: Config, nvml: NvmlProbe | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cfg: Config, nvml: NvmlProbe | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.smi = NvidiaSmiRunner(cfg.nvidia_smi, cfg.nvidia_smi_timeout)
         self.nvml = nvml or NvmlProbe(cfg.nvml, cfg.nvml_timeout, cfg.nvml_nvlink)
@@ -56,8 +55,9 @@ class CheckSuite:
         finally:
             stats.durations[name] = time.monotonic() - t0
 
-    def run(self, node: dict[str, Any] | None, node_error: str | None = None,
-            plugin_grace_s: float | None = None) -> tuple[Observation, CycleStats]:
+    def run(
+        self, node: dict[str, Any] | None, node_error: str | None = None, plugin_grace_s: float | None = None
+    ) -> tuple[Observation, CycleStats]:
         """node: the Node object (dict) or None when the plugin check is off; node_error: why the
         Node could not be read (the plugin check then could not run)."""
         stats = CycleStats()
@@ -101,11 +101,18 @@ class CheckSuite:
         obs.gpus = gpus
         return obs, stats
 
-    def _plugin(self, node: dict[str, Any] | None, node_error: str | None, counts: Counts,
-                mig: MigLayout | None, grace_s: float | None) -> list[Finding]:
+    def _plugin(
+        self,
+        node: dict[str, Any] | None,
+        node_error: str | None,
+        counts: Counts,
+        mig: MigLayout | None,
+        grace_s: float | None,
+    ) -> list[Finding]:
         if node is None:
-            return [Finding.unchecked(Check.DEVICE_PLUGIN, f"cannot read the Node: {node_error}",
-                                      kind="node_unreadable")]
+            return [
+                Finding.unchecked(Check.DEVICE_PLUGIN, f"cannot read the Node: {node_error}", kind="node_unreadable")
+            ]
         pc = plugin_counts(node, mig, self.cfg.mig_strategy, self.cfg.replicas)
         counts.plugin_capacity = pc.total_capacity
         counts.plugin_allocatable = pc.total_allocatable

@@ -19,9 +19,26 @@ from agent.verdict import decide
 from agent.xid import KernelLogParser, XidClassifier
 
 EXIT = {Status.TRUE: 0, Status.FALSE: 1, Status.UNKNOWN: 2}
-CHECK_FLAGS = ("nvidia_smi", "nvidia_smi_timeout", "sysfs_root", "kmsg", "kmsg_trust_user", "nvml",
-               "nvml_timeout", "nvml_nvlink", "expected_gpus", "xid_fatal", "xid_ignore", "unknown_xid_fatal",
-               "mig_strategy", "replicas", "kubeconfig", "api_timeout", "log_format", "log_level")
+CHECK_FLAGS = (
+    "nvidia_smi",
+    "nvidia_smi_timeout",
+    "sysfs_root",
+    "kmsg",
+    "kmsg_trust_user",
+    "nvml",
+    "nvml_timeout",
+    "nvml_nvlink",
+    "expected_gpus",
+    "xid_fatal",
+    "xid_ignore",
+    "unknown_xid_fatal",
+    "mig_strategy",
+    "replicas",
+    "kubeconfig",
+    "api_timeout",
+    "log_format",
+    "log_level",
+)
 
 
 def classifier_from(cfg: config_mod.Config) -> XidClassifier:
@@ -74,9 +91,14 @@ def render_table(v: Verdict, xids: list[XidEvent]) -> str:
 
 
 def verdict_json(v: Verdict, xids: list[XidEvent]) -> dict[str, Any]:
-    return {"status": v.status.value, "reason": v.reason.value, "message": v.message,
-            "gpus": [g.to_json() for g in v.gpus], "counts": v.counts.as_dict(),
-            "xids": [x.to_json() for x in xids]}
+    return {
+        "status": v.status.value,
+        "reason": v.reason.value,
+        "message": v.message,
+        "gpus": [g.to_json() for g in v.gpus],
+        "counts": v.counts.as_dict(),
+        "xids": [x.to_json() for x in xids],
+    }
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -134,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     pf.set_defaults(func=lambda a: __import__("agent.preflight", fromlist=["main"]).main(a))
     try:
         from agent.preflight import add_arguments
+
         add_arguments(pf)
     except ImportError:
         pass
@@ -145,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         from agent.logs import setup_logging
+
         setup_logging(getattr(args, "log_format", None) or "auto", getattr(args, "log_level", None) or "info")
         return int(args.func(args))
     except config_mod.ConfigError as e:

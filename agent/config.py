@@ -50,6 +50,7 @@ def _choice(*options: str) -> Callable[[Any], str]:
         if s not in options:
             raise ValueError(f"expected one of {', '.join(options)}, got {s!r}")
         return s
+
     return conv
 
 
@@ -59,6 +60,7 @@ def _positive(conv: Callable[[Any], Any]) -> Callable[[Any], Any]:
         if x is not None and x <= 0:
             raise ValueError(f"must be greater than 0, got {x}")
         return x
+
     return check
 
 
@@ -68,6 +70,7 @@ def _non_negative(conv: Callable[[Any], Any]) -> Callable[[Any], Any]:
         if x is not None and x < 0:
             raise ValueError(f"must be 0 or more, got {x}")
         return x
+
     return check
 
 
@@ -112,12 +115,24 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("unknown_xid_fatal", _bool, True, "treat Xids missing from the catalog as fatal"),
     Setting("state_dir", str, "/var/lib/gpu-ready", "directory for latched faults (a hostPath)"),
     Setting("boot_id_file", str, "/proc/sys/kernel/random/boot_id", "file holding the boot ID"),
-    Setting("mig_strategy", _choice("auto", "none", "single", "mixed"), "auto",
-            "device plugin MIG strategy (auto: from the nvidia.com/mig.strategy label)"),
-    Setting("replicas", _positive(_opt_int), None,
-            "time-slicing/MPS replicas (default: the nvidia.com/gpu.replicas label, else 1)"),
-    Setting("plugin_grace", _non_negative(float), 300.0,
-            "seconds after start before a missing device-plugin resource is a fault"),
+    Setting(
+        "mig_strategy",
+        _choice("auto", "none", "single", "mixed"),
+        "auto",
+        "device plugin MIG strategy (auto: from the nvidia.com/mig.strategy label)",
+    ),
+    Setting(
+        "replicas",
+        _positive(_opt_int),
+        None,
+        "time-slicing/MPS replicas (default: the nvidia.com/gpu.replicas label, else 1)",
+    ),
+    Setting(
+        "plugin_grace",
+        _non_negative(float),
+        300.0,
+        "seconds after start before a missing device-plugin resource is a fault",
+    ),
     Setting("event_interval", _non_negative(float), 300.0, "at most one Event per reason and GPU per this many s"),
     Setting("metrics_address", str, DEFAULT_METRICS_ADDRESS, "host:port for /metrics, /healthz, /readyz"),
     Setting("require_preflight", _bool, False, "report True only on nodes labelled <preflight-label>=passed"),
@@ -149,12 +164,14 @@ def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = N
     for s in SETTINGS:
         if names is None or s.name in names:
             env = f"; env {s.env_name}" + (f" or {s.env}" if s.env else "")
-            parser.add_argument(s.flag, dest=s.name, default=None,
-                                help=f"{s.help} (default: {s.default!r}{env})")
+            parser.add_argument(s.flag, dest=s.name, default=None, help=f"{s.help} (default: {s.default!r}{env})")
 
 
-def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None = None,
-         overrides: dict[str, Any] | None = None) -> Config:
+def load(
+    args: argparse.Namespace | None = None,
+    environ: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Config:
     environ = dict(os.environ) if environ is None else environ
     raw: dict[str, tuple[Any, str]] = {}
     path = getattr(args, "config", None) if args is not None else None

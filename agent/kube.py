@@ -27,8 +27,12 @@ class ApiError(Exception):
 
 
 class KubeApi:
-    def __init__(self, configuration: Configuration, timeout_s: float = 10.0,
-                 on_request: Callable[[str, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        configuration: Configuration,
+        timeout_s: float = 10.0,
+        on_request: Callable[[str, int], None] | None = None,
+    ) -> None:
         configuration.retries = False  # retries are ours (backoff with jitter in the runner)
         self.configuration = configuration
         self.api = ApiClient(configuration)
@@ -36,8 +40,12 @@ class KubeApi:
         self.on_request = on_request
 
     @classmethod
-    def from_environment(cls, kubeconfig: str | None = None, timeout_s: float = 10.0,
-                         on_request: Callable[[str, int], None] | None = None) -> KubeApi:
+    def from_environment(
+        cls,
+        kubeconfig: str | None = None,
+        timeout_s: float = 10.0,
+        on_request: Callable[[str, int], None] | None = None,
+    ) -> KubeApi:
         cfg = Configuration()
         if kubeconfig:
             kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
@@ -49,8 +57,14 @@ class KubeApi:
         return cls(cfg, timeout_s, on_request)
 
     @classmethod
-    def from_token(cls, host: str, token: str, ca_file: str | None = None, timeout_s: float = 10.0,
-                   on_request: Callable[[str, int], None] | None = None) -> KubeApi:
+    def from_token(
+        cls,
+        host: str,
+        token: str,
+        ca_file: str | None = None,
+        timeout_s: float = 10.0,
+        on_request: Callable[[str, int], None] | None = None,
+    ) -> KubeApi:
         cfg = Configuration(host=host)
         cfg.api_key = {"authorization": f"Bearer {token}"}
         if ca_file:
@@ -62,12 +76,24 @@ class KubeApi:
     def close(self) -> None:
         self.api.close()
 
-    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                query: dict[str, str] | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        query: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         m, url, hdrs, data, _ = self.api.param_serialize(
-            method, path, query_params=list((query or {}).items()), header_params=headers, body=body,
-            auth_settings=["BearerToken"])
+            method,
+            path,
+            query_params=list((query or {}).items()),
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
         status = 0
         try:
             resp = self.api.call_api(m, url, hdrs, data, _request_timeout=timeout_s or self.timeout_s)
@@ -108,5 +134,6 @@ class KubeApi:
         return self.request("POST", f"/apis/events.k8s.io/v1/namespaces/{quote(namespace)}/events", event)
 
     def patch_event(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return self.request("PATCH", f"/apis/events.k8s.io/v1/namespaces/{quote(namespace)}/events/{quote(name)}",
-                            patch, MERGE_PATCH)
+        return self.request(
+            "PATCH", f"/apis/events.k8s.io/v1/namespaces/{quote(namespace)}/events/{quote(name)}", patch, MERGE_PATCH
+        )

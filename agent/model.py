@@ -69,9 +69,7 @@ class Reason(StrEnum):
     GPUS_HEALTHY = "GPUsHealthy"
 
 
-FAULT_REASONS: tuple[Reason, ...] = tuple(
-    r for r in Reason if r not in (Reason.CHECK_FAILED, Reason.GPUS_HEALTHY)
-)
+FAULT_REASONS: tuple[Reason, ...] = tuple(r for r in Reason if r not in (Reason.CHECK_FAILED, Reason.GPUS_HEALTHY))
 
 
 class Check(StrEnum):
@@ -100,8 +98,9 @@ class Finding:
     kind: str = ""  # machine-readable sub-kind, e.g. "timeout", "exit_code", "err_field"
 
     @classmethod
-    def fault(cls, check: Check, reason: Reason, message: str, gpu: PciAddress | None = None,
-              kind: str = "") -> Finding:
+    def fault(
+        cls, check: Check, reason: Reason, message: str, gpu: PciAddress | None = None, kind: str = ""
+    ) -> Finding:
         return cls(check, Severity.FAULT, message, reason, gpu, kind)
 
     @classmethod
@@ -179,8 +178,13 @@ class GpuStatus:
     problems: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "pci_bus_id": self.pci_bus_id, "name": self.name,
-                "healthy": self.healthy, "problems": list(self.problems)}
+        return {
+            "index": self.index,
+            "pci_bus_id": self.pci_bus_id,
+            "name": self.name,
+            "healthy": self.healthy,
+            "problems": list(self.problems),
+        }
 
 
 @dataclass(frozen=True)

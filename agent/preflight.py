@@ -34,8 +34,10 @@ PASS, FAIL, SKIP = "pass", "fail", "skipped"
 CORDONED_BY = "gpu-ready.io/preflight-cordoned"
 TIME_ANNOTATION = "gpu-ready.io/preflight-time"
 REPORT_ANNOTATION = "gpu-ready.io/preflight-report"
-QUERY = ("index,pci.bus_id,name,memory.total,driver_version,mig.mode.current,pcie.link.gen.max,"
-         "pcie.link.width.max,ecc.mode.current")
+QUERY = (
+    "index,pci.bus_id,name,memory.total,driver_version,mig.mode.current,pcie.link.gen.max,"
+    "pcie.link.width.max,ecc.mode.current"
+)
 
 
 class ProfileError(ValueError):
@@ -61,12 +63,24 @@ class Profile:
     p2p_min_gbps: float | None = None
     serving: dict[str, Any] = field(default_factory=dict)  # command, maxLatencySeconds, expectOutput
 
-    KEYS = {"gpuModel": "gpu_model", "gpuCount": "gpu_count", "memoryPerGpuMiB": "memory_per_gpu_mib",
-            "driverVersion": "driver_version", "cudaVersion": "cuda_version", "migMode": "mig_mode",
-            "nvlinkLinksPerGpu": "nvlink_links_per_gpu", "pcieGen": "pcie_gen", "pcieWidth": "pcie_width",
-            "eccEnabled": "ecc_enabled", "allowSkip": "allow_skip", "timeouts": "timeouts",
-            "burnInSeconds": "burnin_seconds", "burnInCommand": "burnin_command", "p2pMinGBps": "p2p_min_gbps",
-            "serving": "serving"}
+    KEYS = {
+        "gpuModel": "gpu_model",
+        "gpuCount": "gpu_count",
+        "memoryPerGpuMiB": "memory_per_gpu_mib",
+        "driverVersion": "driver_version",
+        "cudaVersion": "cuda_version",
+        "migMode": "mig_mode",
+        "nvlinkLinksPerGpu": "nvlink_links_per_gpu",
+        "pcieGen": "pcie_gen",
+        "pcieWidth": "pcie_width",
+        "eccEnabled": "ecc_enabled",
+        "allowSkip": "allow_skip",
+        "timeouts": "timeouts",
+        "burnInSeconds": "burnin_seconds",
+        "burnInCommand": "burnin_command",
+        "p2pMinGBps": "p2p_min_gbps",
+        "serving": "serving",
+    }
 
     @classmethod
     def from_mapping(cls, data: dict[str, Any]) -> Profile:
@@ -108,8 +122,14 @@ def version_matches(version: str, spec: str) -> bool:
             raise ProfileError(f"bad version constraint {part!r} in {spec!r}")
         op, want = m.group(1) or ">=", _vtuple(m.group(2))
         have = _vtuple(version)
-        ok &= {">=": have >= want, "<=": have <= want, "==": have == want, "=": have == want,
-               ">": have > want, "<": have < want}[op]
+        ok &= {
+            ">=": have >= want,
+            "<=": have <= want,
+            "==": have == want,
+            "=": have == want,
+            ">": have > want,
+            "<": have < want,
+        }[op]
     return ok
 
 
@@ -145,11 +165,13 @@ def _int(v: str) -> int | None:
 def read_spec_nvidia_smi(nvidia_smi: str, timeout_s: float = 30) -> tuple[list[GpuSpec], str | None]:
     """The fallback reader: `nvidia-smi --query-gpu` (values with or without units), the table header for
     the CUDA version, `nvidia-smi nvlink --status` for NVLink links."""
+
     def run(*args: str) -> str:
         r = subprocess.run([nvidia_smi, *args], capture_output=True, text=True, timeout=timeout_s)
         if r.returncode != 0:
             raise RuntimeError(f"nvidia-smi {' '.join(args)} exited {r.returncode}: {r.stdout.strip()[:200]}")
         return r.stdout
+
     gpus = []
     for line in run(f"--query-gpu={QUERY}", "--format=csv,noheader,nounits").splitlines():
         f = [x.strip() for x in line.split(",")]
@@ -171,8 +193,10 @@ def read_spec_nvidia_smi(nvidia_smi: str, timeout_s: float = 30) -> tuple[list[G
 
 def read_spec_nvml(nv: Any) -> tuple[list[GpuSpec], str | None]:
     """The primary reader: NVML (nvidia-ml-py, or a stand-in with the same calls)."""
+
     def text(v: Any) -> str:
         return v.decode() if isinstance(v, bytes) else str(v)
+
     driver = text(nv.nvmlSystemGetDriverVersion())
     cu = int(nv.nvmlSystemGetCudaDriverVersion_v2())
     cuda = f"{cu // 1000}.{cu % 1000 // 10}"
@@ -194,10 +218,20 @@ def read_spec_nvml(nv: Any) -> tuple[list[GpuSpec], str | None]:
                 up += nv.nvmlDeviceGetNvLinkState(h, link) == 1
             except nv.NVMLError:
                 break
-        gpus.append(GpuSpec(i, text(nv.nvmlDeviceGetPciInfo(h).busId), text(nv.nvmlDeviceGetName(h)),
-                            int(nv.nvmlDeviceGetMemoryInfo(h).total) // 2**20, driver, mig,
-                            int(nv.nvmlDeviceGetMaxPcieLinkGeneration(h)), int(nv.nvmlDeviceGetMaxPcieLinkWidth(h)),
-                            ecc, up))
+        gpus.append(
+            GpuSpec(
+                i,
+                text(nv.nvmlDeviceGetPciInfo(h).busId),
+                text(nv.nvmlDeviceGetName(h)),
+                int(nv.nvmlDeviceGetMemoryInfo(h).total) // 2**20,
+                driver,
+                mig,
+                int(nv.nvmlDeviceGetMaxPcieLinkGeneration(h)),
+                int(nv.nvmlDeviceGetMaxPcieLinkWidth(h)),
+                ecc,
+                up,
+            )
+        )
     return gpus, cuda
 
 
@@ -244,8 +278,14 @@ def check_spec(profile: Profile, gpus: list[GpuSpec], cuda: str | None) -> GateR
     return GateResult("spec", PASS, f"{len(gpus)} GPUs match the profile", evidence)
 
 
-def run_command_gate(gate: str, command: str, timeout_s: float, max_latency_s: float | None = None,
-                     expect_output: str | None = None, sample: Callable[[], None] | None = None) -> GateResult:
+def run_command_gate(
+    gate: str,
+    command: str,
+    timeout_s: float,
+    max_latency_s: float | None = None,
+    expect_output: str | None = None,
+    sample: Callable[[], None] | None = None,
+) -> GateResult:
     """A configured external command (dcgmi diag, gpu-burn, a serving check), judged by exit code, an
     optional latency bound and an optional output regex. `sample` is called every second while it runs."""
     t0 = time.monotonic()
@@ -291,8 +331,8 @@ def load_cuda() -> Any:
 
 def cuda_kernel_check(cp: Any) -> GateResult:
     """Compiles (NVRTC) and runs a small kernel on every GPU and checks the result."""
-    src = r'''extern "C" __global__ void axpb(const float* x, float* y, float a, float b, int n) {
-        int i = blockDim.x * blockIdx.x + threadIdx.x; if (i < n) y[i] = a * x[i] + b; }'''
+    src = r"""extern "C" __global__ void axpb(const float* x, float* y, float a, float b, int n) {
+        int i = blockDim.x * blockIdx.x + threadIdx.x; if (i < n) y[i] = a * x[i] + b; }"""
     n, per_gpu = 1 << 20, {}
     for dev in range(cp.cuda.runtime.getDeviceCount()):
         with cp.cuda.Device(dev):
@@ -361,19 +401,29 @@ def cuda_p2p(cp: Any, min_gbps: float | None) -> GateResult:
                 low.append(f"{src}->{dst}: {gbps:.1f} GB/s < {min_gbps:g}")
     if low:
         return GateResult("nvlink", FAIL, "; ".join(low)[:900], {"gbps": pairs})
-    return GateResult("nvlink", PASS, f"{len(pairs)} pairs, min {min(pairs.values(), default=0):.1f} GB/s",
-                      {"gbps": pairs})
+    return GateResult(
+        "nvlink", PASS, f"{len(pairs)} pairs, min {min(pairs.values(), default=0):.1f} GB/s", {"gbps": pairs}
+    )
 
 
 # -- burn-in watch: Xids, ECC, retired pages / remapped rows, throttling ------------------------------------
 
 # NVML clock-event (throttle) reasons. The power cap and software thermal slowdown are the configured
 # limits a GPU under full load is expected to hit; idle/application/sync-boost/display are benign.
-THROTTLE_REASONS = {0x1: "GpuIdle", 0x2: "ApplicationsClocksSetting", 0x4: "SwPowerCap", 0x8: "HwSlowdown",
-                    0x10: "SyncBoost", 0x20: "SwThermalSlowdown", 0x40: "HwThermalSlowdown",
-                    0x80: "HwPowerBrakeSlowdown", 0x100: "DisplayClockSetting"}
-ALLOWED_THROTTLE = frozenset({"GpuIdle", "ApplicationsClocksSetting", "SwPowerCap", "SyncBoost",
-                              "SwThermalSlowdown", "DisplayClockSetting"})
+THROTTLE_REASONS = {
+    0x1: "GpuIdle",
+    0x2: "ApplicationsClocksSetting",
+    0x4: "SwPowerCap",
+    0x8: "HwSlowdown",
+    0x10: "SyncBoost",
+    0x20: "SwThermalSlowdown",
+    0x40: "HwThermalSlowdown",
+    0x80: "HwPowerBrakeSlowdown",
+    0x100: "DisplayClockSetting",
+}
+ALLOWED_THROTTLE = frozenset(
+    {"GpuIdle", "ApplicationsClocksSetting", "SwPowerCap", "SyncBoost", "SwThermalSlowdown", "DisplayClockSetting"}
+)
 
 
 class BurnInWatch:
@@ -381,8 +431,9 @@ class BurnInWatch:
     retired page or remapped row, or clocks throttled for reasons other than the power and thermal limits.
     NVML is required (`nvml` is the pynvml module, or a stand-in); without it the burn-in cannot be judged."""
 
-    def __init__(self, nvml: Any, kmsg_path: str | None, allowed: frozenset[str] = ALLOWED_THROTTLE,
-                 trust_user: bool = False) -> None:
+    def __init__(
+        self, nvml: Any, kmsg_path: str | None, allowed: frozenset[str] = ALLOWED_THROTTLE, trust_user: bool = False
+    ) -> None:
         self.nv, self.allowed = nvml, allowed
         self.kmsg = KmsgSource(kmsg_path, trust_user) if kmsg_path else None
         self.before: dict[int, tuple[int, int, int]] = {}
@@ -497,8 +548,14 @@ def run_gates(gates: dict[str, GateFn], timeouts: dict[str, float]) -> list[Gate
 DEFAULT_TIMEOUTS = {"spec": 60.0, "burnin": 900.0, "nvlink": 300.0, "cuda": 120.0, "serving": 900.0}
 
 
-def build_gates(profile: Profile, nvidia_smi: str, cuda: Any = None, nvml: Any = None,
-                kmsg: str | None = "/dev/kmsg", kmsg_trust_user: bool = False) -> dict[str, GateFn]:
+def build_gates(
+    profile: Profile,
+    nvidia_smi: str,
+    cuda: Any = None,
+    nvml: Any = None,
+    kmsg: str | None = "/dev/kmsg",
+    kmsg_trust_user: bool = False,
+) -> dict[str, GateFn]:
     def spec() -> GateResult:
         gpus, ver, source = read_spec(nvidia_smi, nvml)
         res = check_spec(profile, gpus, ver)
@@ -516,8 +573,11 @@ def build_gates(profile: Profile, nvidia_smi: str, cuda: Any = None, nvml: Any =
 
     def nvlink() -> GateResult:
         if cuda is None:
-            return GateResult("nvlink", SKIP, "no CUDA binding for the P2P bandwidth test "
-                              "(NVLink link counts are checked by the spec gate)")
+            return GateResult(
+                "nvlink",
+                SKIP,
+                "no CUDA binding for the P2P bandwidth test (NVLink link counts are checked by the spec gate)",
+            )
         return cuda_p2p(cuda, profile.p2p_min_gbps)
 
     def cuda_gate() -> GateResult:
@@ -529,8 +589,13 @@ def build_gates(profile: Profile, nvidia_smi: str, cuda: Any = None, nvml: Any =
         cmd = profile.serving.get("command")
         if not cmd:
             return GateResult("serving", SKIP, "no serving command configured")
-        return run_command_gate("serving", cmd, profile.timeouts.get("serving", DEFAULT_TIMEOUTS["serving"]),
-                                profile.serving.get("maxLatencySeconds"), profile.serving.get("expectOutput"))
+        return run_command_gate(
+            "serving",
+            cmd,
+            profile.timeouts.get("serving", DEFAULT_TIMEOUTS["serving"]),
+            profile.serving.get("maxLatencySeconds"),
+            profile.serving.get("expectOutput"),
+        )
 
     return {"spec": spec, "burnin": burnin, "nvlink": nvlink, "cuda": cuda_gate, "serving": serving}
 
@@ -545,16 +610,27 @@ def passed(results: list[GateResult], allow_skip: list[str]) -> tuple[bool, list
 
 
 def short_report(results: list[GateResult]) -> str:
-    return json.dumps({r.gate: {"status": r.status, "reason": r.reason[:160], "s": r.duration_s} for r in results},
-                      separators=(",", ":"))[:4000]
+    return json.dumps(
+        {r.gate: {"status": r.status, "reason": r.reason[:160], "s": r.duration_s} for r in results},
+        separators=(",", ":"),
+    )[:4000]
 
 
-def record_on_node(api: KubeApi, node: str, results: list[GateResult], ok: bool, blocking: list[GateResult],
-                   label_key: str = "preflight", needs_label: str | None = None,
-                   cordoned_by_us: bool = False) -> dict[str, Any]:
+def record_on_node(
+    api: KubeApi,
+    node: str,
+    results: list[GateResult],
+    ok: bool,
+    blocking: list[GateResult],
+    label_key: str = "preflight",
+    needs_label: str | None = None,
+    cordoned_by_us: bool = False,
+) -> dict[str, Any]:
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    meta: dict[str, Any] = {"labels": {label_key: "passed" if ok else "failed"},
-                            "annotations": {TIME_ANNOTATION: now, REPORT_ANNOTATION: short_report(results)}}
+    meta: dict[str, Any] = {
+        "labels": {label_key: "passed" if ok else "failed"},
+        "annotations": {TIME_ANNOTATION: now, REPORT_ANNOTATION: short_report(results)},
+    }
     patch: dict[str, Any] = {"metadata": meta}
     if needs_label and ok:
         meta["labels"][needs_label] = None
@@ -568,8 +644,11 @@ def record_on_node(api: KubeApi, node: str, results: list[GateResult], ok: bool,
         ev = EventReporter(api, node, interval_s=0, node_uid=out["metadata"].get("uid"))
         first = blocking[0]
         evidence = json.dumps(first.evidence, default=str)[:400] if first.evidence else ""
-        ev.record("PreflightFailed", f"preflight gate {first.gate} {first.status}: {first.reason} {evidence}".strip(),
-                  action="Preflight")
+        ev.record(
+            "PreflightFailed",
+            f"preflight gate {first.gate} {first.status}: {first.reason} {evidence}".strip(),
+            action="Preflight",
+        )
         ev.flush()
     return out
 
@@ -578,13 +657,19 @@ def cordon_for_preflight(api: KubeApi, node: str) -> bool:
     """Cordons the node unless it already is; returns whether preflight did it."""
     obj = api.get_node(node)
     if (obj.get("spec") or {}).get("unschedulable"):
-        return ((obj["metadata"].get("annotations") or {}).get(CORDONED_BY) == "true")
+        return (obj["metadata"].get("annotations") or {}).get(CORDONED_BY) == "true"
     api.patch_node(node, {"spec": {"unschedulable": True}, "metadata": {"annotations": {CORDONED_BY: "true"}}})
     return True
 
 
-def onboard(api: KubeApi, node: str, gates: dict[str, GateFn], profile: Profile, label_key: str = "preflight",
-            needs_label: str | None = None) -> tuple[bool, list[GateResult]]:
+def onboard(
+    api: KubeApi,
+    node: str,
+    gates: dict[str, GateFn],
+    profile: Profile,
+    label_key: str = "preflight",
+    needs_label: str | None = None,
+) -> tuple[bool, list[GateResult]]:
     by_us = cordon_for_preflight(api, node)
     results = run_gates(gates, profile.timeouts)
     ok, blocking = passed(results, profile.allow_skip)
@@ -606,8 +691,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvidia-smi", default="nvidia-smi")
     p.add_argument("--kmsg", default="/dev/kmsg", help="kernel log watched for Xids during burn-in")
     p.add_argument("--label-key", default="preflight")
-    p.add_argument("--needs-label", default="gpu-ready.io/needs-preflight",
-                   help="label removed from the Node when preflight passes")
+    p.add_argument(
+        "--needs-label",
+        default="gpu-ready.io/needs-preflight",
+        help="label removed from the Node when preflight passes",
+    )
     p.add_argument("--gates", default=",".join(GATES), help="comma list of gates to run")
     p.add_argument("--kubeconfig")
     p.add_argument("--json", action="store_true", help="print one JSON report")
@@ -624,8 +712,11 @@ def main(args: argparse.Namespace) -> int:
     if bad:
         print(f"gpu-ready preflight: unknown gates {bad}; gates are {', '.join(GATES)}", file=sys.stderr)
         return 2
-    gates = {k: v for k, v in build_gates(profile, args.nvidia_smi, load_cuda(), load_nvml(), args.kmsg).items()
-             if k in wanted}
+    gates = {
+        k: v
+        for k, v in build_gates(profile, args.nvidia_smi, load_cuda(), load_nvml(), args.kmsg).items()
+        if k in wanted
+    }
     if args.node:
         try:
             api = KubeApi.from_environment(args.kubeconfig)

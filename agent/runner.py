@@ -77,8 +77,7 @@ class Agent:
         self.node = cfg.node_name
         self.log = get_logger(node=self.node)
         self.metrics = metrics or Metrics()
-        self.api = api or KubeApi.from_environment(cfg.kubeconfig, cfg.api_timeout,
-                                                   on_request=self.metrics.api_request)
+        self.api = api or KubeApi.from_environment(cfg.kubeconfig, cfg.api_timeout, on_request=self.metrics.api_request)
         if self.api.on_request is None:
             self.api.on_request = self.metrics.api_request
         self.suite = CheckSuite(cfg)
@@ -87,8 +86,9 @@ class Agent:
         self.state = LatchState(cfg.state_dir, read_boot_id(cfg.boot_id_file))
         self.ingest = KernelLogIngest(self.parser, self.state, self.metrics)
         self.condition = ConditionReporter(self.api, self.node, cfg.heartbeat_interval)
-        self.events = EventReporter(self.api, self.node, cfg.event_interval,
-                                    on_write=lambda r: self.metrics.events.labels(r).inc())
+        self.events = EventReporter(
+            self.api, self.node, cfg.event_interval, on_write=lambda r: self.metrics.events.labels(r).inc()
+        )
         self.stop = threading.Event()
         self.wake = threading.Event()
         self._lock = threading.Lock()
@@ -140,8 +140,9 @@ class Agent:
         """Parses records; latches fatal events; returns whether anything new was latched."""
         fresh = self.ingest.process(records)
         for ev in fresh:
-            self.log.warning("fatal GPU error latched", xid=ev.xid, gpu=ev.raw_address, source=ev.source,
-                             text=ev.text[:200])
+            self.log.warning(
+                "fatal GPU error latched", xid=ev.xid, gpu=ev.raw_address, source=ev.source, text=ev.text[:200]
+            )
         if fresh:
             with self._lock:
                 self.pending_xid_events += fresh
@@ -176,8 +177,9 @@ class Agent:
             return False, False
         if lost:
             self.metrics.kmsg_lost.inc(lost)
-            self.log.warning("kernel-log records lost before they were read; re-running level checks",
-                             check="xid", lost=lost)
+            self.log.warning(
+                "kernel-log records lost before they were read; re-running level checks", check="xid", lost=lost
+            )
             self.rerun_levels = True
             self.wake.set()
         latched = self._process(records)
@@ -265,8 +267,11 @@ class Agent:
             # A restart during a fault must not flip the condition to True: hold it until the level
             # signals have been clean for --recovery-polls polls (latched faults come from the state file).
             self.startup_hold = existing
-            self.log.info("holding the existing GPUReady=False until checks are clean",
-                          reason=existing.get("reason"), polls=self.cfg.recovery_polls)
+            self.log.info(
+                "holding the existing GPUReady=False until checks are clean",
+                reason=existing.get("reason"),
+                polls=self.cfg.recovery_polls,
+            )
 
     def _apply_clear(self, node: dict[str, Any]) -> None:
         ann = ((node.get("metadata") or {}).get("annotations") or {}).get(CLEAR_ANNOTATION)
@@ -276,14 +281,19 @@ class Agent:
         if before is None:
             if self._bad_clear != ann:
                 self._bad_clear = ann
-                self.log.error("ignoring clear annotation: not an RFC 3339 time", annotation=CLEAR_ANNOTATION,
-                               value=ann)
+                self.log.error(
+                    "ignoring clear annotation: not an RFC 3339 time", annotation=CLEAR_ANNOTATION, value=ann
+                )
             return
         gone = self.state.clear_before(before, self.kmsg.last_seq)
         if gone:
             self.log.info("latched faults cleared by operator", cleared=len(gone), before=ann)
-            self.events.record("FaultsCleared", f"{len(gone)} latched fault(s) cleared by {CLEAR_ANNOTATION}={ann}",
-                               type_="Normal", action="Cleared")
+            self.events.record(
+                "FaultsCleared",
+                f"{len(gone)} latched fault(s) cleared by {CLEAR_ANNOTATION}={ann}",
+                type_="Normal",
+                action="Cleared",
+            )
 
     # -- verdict and publishing ------------------------------------------------------------------
 
@@ -292,8 +302,12 @@ class Agent:
         obs = self.last_obs
         if self.bad_obs is not None and not self.last_level_false:
             obs = self.bad_obs  # recovering: keep the fault until enough clean polls
-        v = decide(obs, self.state.snapshot(), preflight_required=self.cfg.require_preflight,
-                   preflight_passed=self.preflight_passed)
+        v = decide(
+            obs,
+            self.state.snapshot(),
+            preflight_required=self.cfg.require_preflight,
+            preflight_passed=self.preflight_passed,
+        )
         hold = self.startup_hold
         if hold is not None and v.status is Status.TRUE:
             try:
@@ -333,8 +347,12 @@ class Agent:
         for ev in fresh:
             where = gpu_label(ev.address, gpus) if ev.address else f"NVSwitch {ev.raw_address}"
             kind = "SXid" if ev.source == "sxid" else "Xid"
-            self.events.record(Reason.FATAL_XID.value, f"{kind} {ev.xid} ({ev.name}) on {where}: {ev.text}"[:1000],
-                               gpu=ev.raw_address, action="Detected")
+            self.events.record(
+                Reason.FATAL_XID.value,
+                f"{kind} {ev.xid} ({ev.name}) on {where}: {ev.text}"[:1000],
+                gpu=ev.raw_address,
+                action="Detected",
+            )
         if time.monotonic() < self.retry_at:
             return
         with self.writes_in_flight:
@@ -344,11 +362,15 @@ class Agent:
                     changed = self.condition.write(v)
                     self.metrics.condition_writes.inc()
                     if changed:
-                        self.log.info("GPUReady changed", status=v.status.value, reason=v.reason.value,
-                                      message=v.message)
-                        self.events.record(v.reason.value, f"GPUReady {prev or 'unset'} -> {v.status.value}: "
-                                           f"{v.message}", type_="Normal" if v.status is Status.TRUE else "Warning",
-                                           action="StatusChanged")
+                        self.log.info(
+                            "GPUReady changed", status=v.status.value, reason=v.reason.value, message=v.message
+                        )
+                        self.events.record(
+                            v.reason.value,
+                            f"GPUReady {prev or 'unset'} -> {v.status.value}: {v.message}",
+                            type_="Normal" if v.status is Status.TRUE else "Warning",
+                            action="StatusChanged",
+                        )
                 self.events.flush()
                 self._api_ok("write status")
             except ApiError as e:
@@ -369,10 +391,12 @@ class Agent:
         self.watcher = threading.Thread(target=self._watch, name="kmsg-watcher", daemon=True)
         self.watcher.start()
         if serve:
-            self.server = HealthServer(self.cfg.metrics_address, self.metrics.registry, self.healthy,
-                                       self.ready).start()
-            self.log.info("serving /metrics /healthz /readyz", address=f"{self.cfg.metrics_address}",
-                          port=self.server.port)
+            self.server = HealthServer(
+                self.cfg.metrics_address, self.metrics.registry, self.healthy, self.ready
+            ).start()
+            self.log.info(
+                "serving /metrics /healthz /readyz", address=f"{self.cfg.metrics_address}", port=self.server.port
+            )
         self.loop_thread = threading.Thread(target=self.loop, name="agent-loop", daemon=True)
         self.loop_thread.start()
 
@@ -420,8 +444,9 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    agent.log.info("gpu-ready starting", poll_interval=cfg.poll_interval, kmsg=cfg.kmsg, nvml=cfg.nvml,
-                   state_dir=cfg.state_dir)
+    agent.log.info(
+        "gpu-ready starting", poll_interval=cfg.poll_interval, kmsg=cfg.kmsg, nvml=cfg.nvml, state_dir=cfg.state_dir
+    )
     agent.start()
     while not stop.wait(1.0):
         pass

@@ -60,8 +60,9 @@ class LatchState:
             faults = {}
             for f in data.get("faults", []):
                 gpu = PciAddress.parse(f["gpu"]) if f.get("gpu") else None
-                lf = LatchedFault(int(f["xid"]), str(f["raw_address"]), gpu, str(f["source"]), str(f["text"]),
-                                  float(f["since"]))
+                lf = LatchedFault(
+                    int(f["xid"]), str(f["raw_address"]), gpu, str(f["source"]), str(f["text"]), float(f["since"])
+                )
                 faults[lf.key] = lf
             self.faults = faults
             self.cleared_before = float(data.get("cleared_before", 0.0))
@@ -80,8 +81,10 @@ class LatchState:
     def save(self) -> bool:
         with self._lock:
             data: dict[str, Any] = {
-                "version": STATE_VERSION, "boot_id": self.boot_id,
-                "cleared_before": self.cleared_before, "cleared_seq": self.cleared_seq,
+                "version": STATE_VERSION,
+                "boot_id": self.boot_id,
+                "cleared_before": self.cleared_before,
+                "cleared_seq": self.cleared_seq,
                 "faults": [{**asdict(f), "gpu": f.gpu.nvml if f.gpu else None} for f in self.faults.values()],
             }
         try:

@@ -45,7 +45,7 @@ def count_mismatches(c: Counts, expected: int | None) -> list[str]:
 
 
 def render_message(groups: list[tuple[str, list[str]]], limit: int = MESSAGE_LIMIT) -> str:
-    """"Reason: item, item; Reason: item" kept under `limit` bytes; what does not fit is counted."""
+    """ "Reason: item, item; Reason: item" kept under `limit` bytes; what does not fit is counted."""
     total = sum(len(items) for _, items in groups)
     out = ""
     used = 0
@@ -63,8 +63,13 @@ def render_message(groups: list[tuple[str, list[str]]], limit: int = MESSAGE_LIM
     return out
 
 
-def decide(obs: Observation, latched: Sequence[LatchedFault] = (), *,
-           preflight_required: bool = False, preflight_passed: bool = True) -> Verdict:
+def decide(
+    obs: Observation,
+    latched: Sequence[LatchedFault] = (),
+    *,
+    preflight_required: bool = False,
+    preflight_passed: bool = True,
+) -> Verdict:
     gpus = obs.gpus
     by_reason: dict[Reason, list[str]] = {}
     problems: dict[PciAddress, list[str]] = {}
@@ -79,8 +84,9 @@ def decide(obs: Observation, latched: Sequence[LatchedFault] = (), *,
     # Faults on the node's own GPUs first (the actionable ones; they survive message truncation), then
     # addresses that match no GPU and NVSwitch SXids; oldest first within each group.
     for lf in sorted(latched, key=lambda f: (f.gpu is None or f.gpu not in gpus, f.since, f.key)):
-        what = {"sxid": f"fatal SXid {lf.xid} on NVSwitch {lf.raw_address}",
-                "fallen_off_bus": "fell off the bus"}.get(lf.source, f"Xid {lf.xid}")
+        what = {"sxid": f"fatal SXid {lf.xid} on NVSwitch {lf.raw_address}", "fallen_off_bus": "fell off the bus"}.get(
+            lf.source, f"Xid {lf.xid}"
+        )
         if lf.source == "xid" and lf.gpu is not None and lf.gpu not in gpus:
             what += " (address matches no known GPU)"
         add(Reason.FATAL_XID, what, lf.gpu)

@@ -45,8 +45,9 @@ def load_catalog() -> dict[int, CatalogEntry]:
     text = resources.files("agent").joinpath("data/xid_catalog.csv").read_text(encoding="utf-8")
     rows = csv.DictReader(line for line in text.splitlines() if line and not line.startswith("#"))
     return {
-        int(r["xid"]): CatalogEntry(int(r["xid"]), r["name"], r["action"], r["fatal"] == "true",
-                                    r["decide_by"], r["why"])
+        int(r["xid"]): CatalogEntry(
+            int(r["xid"]), r["name"], r["action"], r["fatal"] == "true", r["decide_by"], r["why"]
+        )
         for r in rows
     }
 
@@ -54,8 +55,13 @@ def load_catalog() -> dict[int, CatalogEntry]:
 class XidClassifier:
     """Decides whether an Xid is fatal for the node: config overrides, then the catalog."""
 
-    def __init__(self, fatal: Iterable[int] = (), ignore: Iterable[int] = (), unknown_fatal: bool = True,
-                 catalog: dict[int, CatalogEntry] | None = None) -> None:
+    def __init__(
+        self,
+        fatal: Iterable[int] = (),
+        ignore: Iterable[int] = (),
+        unknown_fatal: bool = True,
+        catalog: dict[int, CatalogEntry] | None = None,
+    ) -> None:
         self.catalog = catalog if catalog is not None else load_catalog()
         self.fatal = frozenset(fatal)
         self.ignore = frozenset(ignore)
@@ -129,8 +135,18 @@ class KernelLogParser:
             if sev not in ("Fatal", "Non-fatal", "Nonfatal"):
                 return None  # continuation record ("Severity 1 ...", "Data {...}")
             sxid = int(m["xid"])
-            return XidEvent(sxid, None, m["addr"], sev == "Fatal", line.strip(), "sxid",
-                            "NVSWITCH_SXID", "RESTART_BM" if sev == "Fatal" else "IGNORE", seq, usec)
+            return XidEvent(
+                sxid,
+                None,
+                m["addr"],
+                sev == "Fatal",
+                line.strip(),
+                "sxid",
+                "NVSWITCH_SXID",
+                "RESTART_BM" if sev == "Fatal" else "IGNORE",
+                seq,
+                usec,
+            )
         if "Xid" in line:
             return None  # the Xid line itself carries the event; do not count it twice
         m = FOB_GPU_RE.search(line)
@@ -151,5 +167,15 @@ class KernelLogParser:
     def _fallen_off_bus(self, raw: str, line: str, seq: int | None, usec: int | None) -> XidEvent:
         self._pending_fob = None
         fatal, name, action = self.classifier.classify(FALLEN_OFF_BUS_XID, line)
-        return XidEvent(FALLEN_OFF_BUS_XID, PciAddress.parse(raw), raw, fatal, line.strip(),
-                        "fallen_off_bus", name, action, seq, usec)
+        return XidEvent(
+            FALLEN_OFF_BUS_XID,
+            PciAddress.parse(raw),
+            raw,
+            fatal,
+            line.strip(),
+            "fallen_off_bus",
+            name,
+            action,
+            seq,
+            usec,
+        )

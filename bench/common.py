@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from agent.testing.controlplane import ControlPlane
+from testkit.controlplane import ControlPlane
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -45,8 +45,13 @@ def percentile(values: list[float], p: float) -> float:
 
 def summary_ms(values: list[float]) -> dict[str, float]:
     ms = [v * 1000 for v in values]
-    return {"n": len(ms), "p50_ms": round(percentile(ms, 50), 1), "p90_ms": round(percentile(ms, 90), 1),
-            "p99_ms": round(percentile(ms, 99), 1), "max_ms": round(max(ms), 1)}
+    return {
+        "n": len(ms),
+        "p50_ms": round(percentile(ms, 50), 1),
+        "p90_ms": round(percentile(ms, 90), 1),
+        "p99_ms": round(percentile(ms, 99), 1),
+        "max_ms": round(max(ms), 1),
+    }
 
 
 class NodeWatch:
@@ -66,8 +71,10 @@ class NodeWatch:
     def _run(self) -> None:
         ctx = ssl.create_default_context(cafile=self.cp.ca_file)
         while not self._stop.is_set():
-            url = (f"{self.cp.host}/api/v1/nodes?watch=1&allowWatchBookmarks=false"
-                   f"&fieldSelector=metadata.name%3D{self.node}&timeoutSeconds=600")
+            url = (
+                f"{self.cp.host}/api/v1/nodes?watch=1&allowWatchBookmarks=false"
+                f"&fieldSelector=metadata.name%3D{self.node}&timeoutSeconds=600"
+            )
             req = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.cp.admin_token}"})
             try:
                 with urllib.request.urlopen(req, context=ctx, timeout=700) as r:

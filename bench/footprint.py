@@ -9,14 +9,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.testing.controlplane import ControlPlane
-from agent.testing.harness import AgentProc, launch_agent, wait_for
 from bench.common import ProcSampler, percentile, save
+from testkit.controlplane import ControlPlane
+from testkit.harness import AgentProc, launch_agent, wait_for
 
 
 def start(cp: ControlPlane) -> tuple[AgentProc, Any]:
-    defaults = {"--poll-interval": "30", "--heartbeat-interval": "300", "--nvidia-smi-timeout": "30",
-                "--event-interval": "300", "--plugin-grace": "300", "--api-timeout": "10"}
+    defaults = {
+        "--poll-interval": "30",
+        "--heartbeat-interval": "300",
+        "--nvidia-smi-timeout": "30",
+        "--event-interval": "300",
+        "--plugin-grace": "300",
+        "--api-timeout": "10",
+    }
     agent, _ = launch_agent(cp, Path(tempfile.mkdtemp(prefix="bench-footprint-")), "bench-footprint", defaults)
     sampler = ProcSampler(agent.proc.pid, 1.0).start()  # type: ignore[union-attr]
     return agent, sampler
@@ -36,11 +42,15 @@ def finish(agent: AgentProc, sampler: ProcSampler, seconds: float) -> dict[str, 
     steady = [x for x in s if x[0] - t0 >= 60] or s
     ts, _, cs = steady[0]
     rss = [x[1] for x in s]
-    res = {"seconds": round(t1 - t0), "samples": len(s), "check_cycles": cycles,
-           "rss_peak_mib": round(max(rss) / 2**20, 1),
-           "rss_steady_mib": round(percentile([x[1] for x in steady], 50) / 2**20, 1),
-           "cpu_avg_millicores": round((c1 - c0) / (t1 - t0) * 1000, 2),
-           "cpu_steady_millicores": round((c1 - cs) / max(t1 - ts, 1) * 1000, 2)}
+    res = {
+        "seconds": round(t1 - t0),
+        "samples": len(s),
+        "check_cycles": cycles,
+        "rss_peak_mib": round(max(rss) / 2**20, 1),
+        "rss_steady_mib": round(percentile([x[1] for x in steady], 50) / 2**20, 1),
+        "cpu_avg_millicores": round((c1 - c0) / (t1 - t0) * 1000, 2),
+        "cpu_steady_millicores": round((c1 - cs) / max(t1 - ts, 1) * 1000, 2),
+    }
     save("footprint", res)
     return res
 

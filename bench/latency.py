@@ -11,14 +11,18 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from agent.testing.controlplane import ControlPlane
-from agent.testing.harness import launch_agent, wait_for
 from bench.common import NodeWatch, condition, save, summary_ms
+from testkit.controlplane import ControlPlane
+from testkit.harness import launch_agent, wait_for
 
 
 def run(cp: ControlPlane, reps: int = 100, poll: float = 1.0) -> dict[str, Any]:
-    agent, host = launch_agent(cp, Path(tempfile.mkdtemp(prefix="bench-latency-")), "bench-latency",
-                               {"--poll-interval": str(poll), "--recovery-polls": "1"})
+    agent, host = launch_agent(
+        cp,
+        Path(tempfile.mkdtemp(prefix="bench-latency-")),
+        "bench-latency",
+        {"--poll-interval": str(poll), "--recovery-polls": "1"},
+    )
     node = agent.node
     admin = cp.admin()
     state: dict[str, Any] = {"status": None, "at": 0.0}
@@ -67,8 +71,10 @@ def main() -> None:
     a = ap.parse_args()
     with ControlPlane() as cp:
         r = run(cp, a.reps)
-    print(f"detection latency over {r['n']} repetitions: p50 {r['p50_ms']} ms, p90 {r['p90_ms']} ms, "
-          f"p99 {r['p99_ms']} ms, max {r['max_ms']} ms (target p99 < 250 ms)")
+    print(
+        f"detection latency over {r['n']} repetitions: p50 {r['p50_ms']} ms, p90 {r['p90_ms']} ms, "
+        f"p99 {r['p99_ms']} ms, max {r['max_ms']} ms (target p99 < 250 ms)"
+    )
 
 
 if __name__ == "__main__":

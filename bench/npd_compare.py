@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from agent.probes.kmsg import KmsgSource
-from agent.testing.controlplane import REPO, ControlPlane, free_port, terminate_group
-from agent.testing.harness import launch_agent
 from agent.xid import KernelLogParser
 from bench.common import NodeWatch, ProcSampler, condition, percentile, save, summary_ms
+from testkit.controlplane import REPO, ControlPlane, free_port, terminate_group
+from testkit.harness import launch_agent
 
 NPD_CONDITION = "GPUFallenOffBus"
 
@@ -34,12 +34,25 @@ def npd_binary() -> str:
 
 
 def npd_config(path: Path) -> Path:
-    path.write_text(json.dumps({
-        "plugin": "kmsg", "logPath": "/dev/kmsg", "bufferSize": 10, "source": "gpu-xid-monitor",
-        "conditions": [{"type": NPD_CONDITION, "reason": "NoXid79", "message": "no Xid 79 seen"}],
-        "rules": [{"type": "permanent", "condition": NPD_CONDITION, "reason": "Xid79GPUFellOffTheBus",
-                   "pattern": r"NVRM: Xid \(PCI:[0-9a-fA-F:]+\): 79,.*"}],
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "plugin": "kmsg",
+                "logPath": "/dev/kmsg",
+                "bufferSize": 10,
+                "source": "gpu-xid-monitor",
+                "conditions": [{"type": NPD_CONDITION, "reason": "NoXid79", "message": "no Xid 79 seen"}],
+                "rules": [
+                    {
+                        "type": "permanent",
+                        "condition": NPD_CONDITION,
+                        "reason": "Xid79GPUFellOffTheBus",
+                        "pattern": r"NVRM: Xid \(PCI:[0-9a-fA-F:]+\): 79,.*",
+                    }
+                ],
+            }
+        )
+    )
     return path
 
 
@@ -90,16 +103,28 @@ def run(cp: ControlPlane, reps: int = 10) -> dict[str, Any]:
             cv.wait_for(lambda: seen.get("gpu") is not None and seen.get("gpu") != "", 60)
         for _ in range(reps):
             log = open(work / "npd.log", "ab")  # noqa: SIM115
-            p = subprocess.Popen([npd, f"--config.system-log-monitor={cfg}", f"--hostname-override={node}",
-                                  f"--apiserver-override={cp.host}?inClusterConfig=false&auth={kc}",
-                                  "--address=127.0.0.1", f"--port={free_port()}", "--prometheus-address=127.0.0.1",
-                                  f"--prometheus-port={free_port()}", "--k8s-exporter-heartbeat-period=5m"],
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            p = subprocess.Popen(
+                [
+                    npd,
+                    f"--config.system-log-monitor={cfg}",
+                    f"--hostname-override={node}",
+                    f"--apiserver-override={cp.host}?inClusterConfig=false&auth={kc}",
+                    "--address=127.0.0.1",
+                    f"--port={free_port()}",
+                    "--prometheus-address=127.0.0.1",
+                    f"--prometheus-port={free_port()}",
+                    "--k8s-exporter-heartbeat-period=5m",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             sampler = ProcSampler(p.pid, 0.25).start()
             with cv:
                 if not cv.wait_for(lambda: seen.get("npd") == "False", 60):
-                    raise RuntimeError("NPD never initialised its condition:\n"
-                                       + (work / "npd.log").read_text()[-3000:])
+                    raise RuntimeError(
+                        "NPD never initialised its condition:\n" + (work / "npd.log").read_text()[-3000:]
+                    )
             time.sleep(1.0)  # let NPD's kmsg watcher settle past its start time
             bus = random.choice([b for b in range(0x10, 0xF0) if b not in used])
             used.add(bus)
@@ -111,8 +136,9 @@ def run(cp: ControlPlane, reps: int = 10) -> dict[str, Any]:
                 seen["want"] = f"GPU 00000000:{bus:02X}:00.0"
             t0 = time.monotonic()
             with open("/dev/kmsg", "w") as fh:
-                fh.write(f"<3>NVRM: Xid (PCI:{addr}): 79, pid='<unknown>', name=<unknown>, "
-                         "GPU has fallen off the bus.\n")
+                fh.write(
+                    f"<3>NVRM: Xid (PCI:{addr}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.\n"
+                )
             with cv:
                 ok = cv.wait_for(lambda: "t_gpu" in seen and "t_npd" in seen, 30)
             if not ok:
@@ -133,11 +159,15 @@ def run(cp: ControlPlane, reps: int = 10) -> dict[str, Any]:
         agent.terminate()
     g, n = summary_ms(gpu_lat), summary_ms(npd_lat)
     res = {
-        "repetitions": reps, "gpu_ready": g, "npd": n,
+        "repetitions": reps,
+        "gpu_ready": g,
+        "npd": n,
         "npd_version": Path(npd).parent.name,
         "latency_ratio_p50_npd_over_gpu_ready": round(n["p50_ms"] / g["p50_ms"], 1),
-        "gpu_ready_rss_mib": {"median": round(percentile(agent_rss, 50) / 2**20, 1),
-                              "peak": round(max(agent_rss) / 2**20, 1)},
+        "gpu_ready_rss_mib": {
+            "median": round(percentile(agent_rss, 50) / 2**20, 1),
+            "peak": round(max(agent_rss) / 2**20, 1),
+        },
         "npd_rss_mib": {"median": round(percentile(npd_rss, 50) / 2**20, 1), "peak": round(max(npd_rss) / 2**20, 1)},
     }
     res["rss_ratio_gpu_ready_over_npd"] = round(res["gpu_ready_rss_mib"]["median"] / res["npd_rss_mib"]["median"], 2)

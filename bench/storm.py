@@ -18,10 +18,10 @@ from agent.probes.kmsg import KmsgSource, format_record
 from agent.report.metrics import Metrics
 from agent.runner import KMSG_BATCH, KernelLogIngest
 from agent.state import LatchState
-from agent.testing.controlplane import ControlPlane
-from agent.testing.harness import launch_agent, wait_for
 from agent.xid import KernelLogParser
 from bench.common import ProcSampler, save
+from testkit.controlplane import ControlPlane
+from testkit.harness import launch_agent, wait_for
 
 BUSES = (0x19, 0x3B, 0x4C, 0x5D, 0x9B, 0xBB, 0xCB, 0xDB)
 TEXT95 = "Uncontained: LTC TAG (0x2, 0x1). RST: Yes, D-RST: No"
@@ -58,8 +58,13 @@ def in_process(n: int, work: Path) -> dict[str, Any]:
         total += len(recs)
     took = time.perf_counter() - t0
     rss1 = proc.memory_info().rss
-    return {"records": total, "seconds": round(took, 2), "records_per_s": int(total / took),
-            "rss_growth_mib": round((rss1 - rss0) / 2**20, 1), "latched": len(state.faults)}
+    return {
+        "records": total,
+        "seconds": round(took, 2),
+        "records_per_s": int(total / took),
+        "rss_growth_mib": round((rss1 - rss0) / 2**20, 1),
+        "latched": len(state.faults),
+    }
 
 
 def in_agent(cp: ControlPlane, n: int, work: Path) -> dict[str, Any]:
@@ -82,13 +87,18 @@ def in_agent(cp: ControlPlane, n: int, work: Path) -> dict[str, Any]:
         sampler.stop()
         peak = max(s[1] for s in sampler.samples)
         rss1 = sampler.sample()[1]
-        res = {"records": n, "seconds_to_read_all": round(took, 2), "records_per_s": int(n / took),
-               "rss_before_mib": round(rss0 / 2**20, 1), "rss_peak_mib": round(peak / 2**20, 1),
-               "rss_growth_mib": round((rss1 - rss0) / 2**20, 1),
-               "condition_writes": int((agent.metric("gpu_ready_condition_writes_total") or 0) - writes0),
-               "event_writes": int((agent.metric("gpu_ready_events_total") or 0) - events0),
-               "api_requests": int((agent.metric("gpu_ready_api_requests_total") or 0) - api0),
-               "event_write_bound": 8 + 2}
+        res = {
+            "records": n,
+            "seconds_to_read_all": round(took, 2),
+            "records_per_s": int(n / took),
+            "rss_before_mib": round(rss0 / 2**20, 1),
+            "rss_peak_mib": round(peak / 2**20, 1),
+            "rss_growth_mib": round((rss1 - rss0) / 2**20, 1),
+            "condition_writes": int((agent.metric("gpu_ready_condition_writes_total") or 0) - writes0),
+            "event_writes": int((agent.metric("gpu_ready_events_total") or 0) - events0),
+            "api_requests": int((agent.metric("gpu_ready_api_requests_total") or 0) - api0),
+            "event_write_bound": 8 + 2,
+        }
         return res
     finally:
         agent.terminate()

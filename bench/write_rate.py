@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.testing.controlplane import ControlPlane
-from agent.testing.harness import AgentProc, launch_agent, wait_for
-from agent.testing.simhost import SimHost
 from bench.common import save
+from testkit.controlplane import ControlPlane
+from testkit.harness import AgentProc, launch_agent, wait_for
+from testkit.simhost import SimHost
 
 
 def _agent(cp: ControlPlane, extra: dict[str, str]) -> tuple[AgentProc, SimHost]:
@@ -22,8 +22,11 @@ def _agent(cp: ControlPlane, extra: dict[str, str]) -> tuple[AgentProc, SimHost]
 
 
 def counts(a: AgentProc) -> tuple[float, float, float]:
-    return (a.metric("gpu_ready_condition_writes_total") or 0, a.metric("gpu_ready_events_total") or 0,
-            a.metric("gpu_ready_api_requests_total", {"verb": "GET"}) or 0)
+    return (
+        a.metric("gpu_ready_condition_writes_total") or 0,
+        a.metric("gpu_ready_events_total") or 0,
+        a.metric("gpu_ready_api_requests_total", {"verb": "GET"}) or 0,
+    )
 
 
 def run(cp: ControlPlane, seconds: float = 65) -> dict[str, Any]:
@@ -36,14 +39,16 @@ def run(cp: ControlPlane, seconds: float = 65) -> dict[str, Any]:
     a.terminate()
     writes, events, gets = w1 - w0, e1 - e0, g1 - g0
     per_hb = writes / (seconds // hb)  # whole heartbeats in the window
-    steady = {"measured": f"{writes:.0f} condition writes, {events:.0f} Events, {gets:.0f} Node GETs in "
-                          f"{seconds:.0f} s (poll {poll:g} s, heartbeat {hb:g} s)",
-              "writes_per_heartbeat": round(per_hb, 2),
-              "default_writes_per_hour": round(per_hb * 3600 / 300, 1),
-              "default_node_gets_per_hour": round(gets / seconds * poll * 3600 / 30),
-              "arithmetic": f"{writes:.0f} writes / {seconds // hb:.0f} heartbeats in {seconds:.0f} s = "
-                            f"{per_hb:.2f} per heartbeat; "
-                            f"x 3600/300 heartbeats per hour = {per_hb * 12:.1f}; Node GETs: one per 30 s poll = 120/h"}
+    steady = {
+        "measured": f"{writes:.0f} condition writes, {events:.0f} Events, {gets:.0f} Node GETs in "
+        f"{seconds:.0f} s (poll {poll:g} s, heartbeat {hb:g} s)",
+        "writes_per_heartbeat": round(per_hb, 2),
+        "default_writes_per_hour": round(per_hb * 3600 / 300, 1),
+        "default_node_gets_per_hour": round(gets / seconds * poll * 3600 / 30),
+        "arithmetic": f"{writes:.0f} writes / {seconds // hb:.0f} heartbeats in {seconds:.0f} s = "
+        f"{per_hb:.2f} per heartbeat; "
+        f"x 3600/300 heartbeats per hour = {per_hb * 12:.1f}; Node GETs: one per 30 s poll = 120/h",
+    }
     # (b) a GPU flapping on every poll (recovery-polls 2, the default)
     b, host = _agent(cp, {"--poll-interval": str(poll), "--heartbeat-interval": "300", "--recovery-polls": "2"})
     w0, e0, _ = counts(b)
@@ -61,13 +66,15 @@ def run(cp: ControlPlane, seconds: float = 65) -> dict[str, Any]:
     b.terminate()
     fw, fe = w1 - w0, e1 - e0
     polls = seconds / poll
-    flapping = {"measured": f"{fw:.0f} condition writes, {fe:.0f} Events over {polls:.0f} polls, the GPU flipping "
-                            f"ERR!/clean on every poll ({flips} nvidia-smi runs)",
-                "writes_per_poll": round(fw / polls, 3),
-                "default_writes_per_hour": round(fw / polls * 120 + 12, 1),
-                "events_per_hour_bound": "1 per reason and GPU per 5 min = at most 12 per reason per hour",
-                "arithmetic": f"{fw:.0f} writes / {polls:.0f} polls x 120 polls per hour (30 s poll) "
-                              f"+ 12 heartbeats = {fw / polls * 120 + 12:.1f}"}
+    flapping = {
+        "measured": f"{fw:.0f} condition writes, {fe:.0f} Events over {polls:.0f} polls, the GPU flipping "
+        f"ERR!/clean on every poll ({flips} nvidia-smi runs)",
+        "writes_per_poll": round(fw / polls, 3),
+        "default_writes_per_hour": round(fw / polls * 120 + 12, 1),
+        "events_per_hour_bound": "1 per reason and GPU per 5 min = at most 12 per reason per hour",
+        "arithmetic": f"{fw:.0f} writes / {polls:.0f} polls x 120 polls per hour (30 s poll) "
+        f"+ 12 heartbeats = {fw / polls * 120 + 12:.1f}",
+    }
     res = {"steady": steady, "flapping": flapping}
     save("write_rate", res)
     return res

@@ -11,20 +11,19 @@ from typing import Any
 import pytest
 
 from agent.kube import ApiError, KubeApi
-from agent.testing.cluster import create_node, service_account_client
-from agent.testing.controlplane import ControlPlane, testbin_dir
-from agent.testing.simhost import SimHost
+from testkit.cluster import create_node, service_account_client
+from testkit.controlplane import ControlPlane, testbin_dir
+from testkit.simhost import SimHost
 
-FIXTURES = Path(os.environ.get("GPU_READY_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
-LOCAL_FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parent / "fixtures"  # every sample the tests read; provenance in SOURCES.md
 IN_CI = os.environ.get("CI") == "true"
 
 
 def fixture_path(name: str) -> Path:
-    for base in (LOCAL_FIXTURES, FIXTURES):
-        if (base / name).exists():
-            return base / name
-    raise FileNotFoundError(f"fixture {name} not found in {LOCAL_FIXTURES} or {FIXTURES}")
+    path = FIXTURES / name
+    if not path.exists():
+        raise FileNotFoundError(f"fixture {name} not found in {FIXTURES}")
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -70,8 +69,13 @@ def admin(control_plane: ControlPlane) -> Iterator[KubeApi]:
 def make_node(admin: KubeApi) -> Iterator[Callable[..., str]]:
     made: list[str] = []
 
-    def _make(labels: dict[str, str] | None = None, capacity: dict[str, str] | None = None,
-              allocatable: dict[str, str] | None = None, name: str | None = None, **kw: Any) -> str:
+    def _make(
+        labels: dict[str, str] | None = None,
+        capacity: dict[str, str] | None = None,
+        allocatable: dict[str, str] | None = None,
+        name: str | None = None,
+        **kw: Any,
+    ) -> str:
         n = name or f"gpu-node-{secrets.token_hex(4)}"
         create_node(admin, n, labels, capacity, allocatable, **kw)
         made.append(n)
@@ -108,13 +112,18 @@ def simhost(tmp_path: Path) -> SimHost:
 def agent_factory(control_plane, admin, simhost, make_node, sa_client) -> Iterator[Callable[..., Any]]:
     """Makes a GPU Node for the simulated host and runs the real agent for it, as a ServiceAccount with
     the agent's RBAC (token bound to a Pod on that node)."""
-    from agent.testing.cluster import AGENT_RULES
-    from agent.testing.harness import AgentProc
+    from testkit.cluster import AGENT_RULES
+    from testkit.harness import AgentProc
 
     procs: list[AgentProc] = []
 
-    def _make(node: str | None = None, start: bool = True, rules: list[dict[str, Any]] | None = None,
-              host: SimHost | None = None, **kw: Any) -> AgentProc:
+    def _make(
+        node: str | None = None,
+        start: bool = True,
+        rules: list[dict[str, Any]] | None = None,
+        host: SimHost | None = None,
+        **kw: Any,
+    ) -> AgentProc:
         h = host or simhost
         if node is None:
             node = make_node(labels={"nvidia.com/gpu.present": "true"}, capacity=h.plugin_resources())

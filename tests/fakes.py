@@ -14,21 +14,28 @@ class FakeNVMLError(Exception):
 
 def fake_nvml(gpus, init_error=None, hang=None):
     """gpus: list of dicts with busId, handle_error, recovery, remap=(c,u,pending,failure), links=[states]."""
-    m = types.SimpleNamespace(NVMLError=FakeNVMLError, NVML_ERROR_LIBRARY_NOT_FOUND=12,
-                              NVML_ERROR_DRIVER_NOT_LOADED=9, NVML_FEATURE_ENABLED=1, NVML_NVLINK_MAX_LINKS=18,
-                              NVML_DEVICE_MIG_ENABLE=1)
+    m = types.SimpleNamespace(
+        NVMLError=FakeNVMLError,
+        NVML_ERROR_LIBRARY_NOT_FOUND=12,
+        NVML_ERROR_DRIVER_NOT_LOADED=9,
+        NVML_FEATURE_ENABLED=1,
+        NVML_NVLINK_MAX_LINKS=18,
+        NVML_DEVICE_MIG_ENABLE=1,
+    )
 
     def call(name, fn):
         def wrapped(*a):
             if hang == name:
                 time.sleep(5)
             return fn(*a)
+
         wrapped.__name__ = name
         setattr(m, name, wrapped)
 
     def init():
         if init_error:
             raise FakeNVMLError(init_error)
+
     call("nvmlInit", init)
     call("nvmlSystemGetDriverVersion", lambda: b"590.48.01")
     call("nvmlDeviceGetCount", lambda: len(gpus))
@@ -37,16 +44,22 @@ def fake_nvml(gpus, init_error=None, hang=None):
         if gpus[i].get("handle_error"):
             raise FakeNVMLError(gpus[i]["handle_error"])
         return i
+
     call("nvmlDeviceGetHandleByIndex", handle)
     call("nvmlDeviceGetPciInfo", lambda h: types.SimpleNamespace(busId=gpus[h]["busId"].encode()))
     call("nvmlDeviceGetName", lambda h: b"NVIDIA H100")
-    call("nvmlDeviceGetFieldValues", lambda h, ids: [types.SimpleNamespace(
-        nvmlReturn=0, value=types.SimpleNamespace(uiVal=gpus[h].get("recovery", 0)))])
+    call(
+        "nvmlDeviceGetFieldValues",
+        lambda h, ids: [
+            types.SimpleNamespace(nvmlReturn=0, value=types.SimpleNamespace(uiVal=gpus[h].get("recovery", 0)))
+        ],
+    )
 
     def remap(h):
         if "remap" not in gpus[h]:
             raise FakeNVMLError(3)
         return gpus[h]["remap"]
+
     call("nvmlDeviceGetRemappedRows", remap)
     call("nvmlDeviceGetMigMode", lambda h: (0, 0))
 
@@ -55,10 +68,12 @@ def fake_nvml(gpus, init_error=None, hang=None):
         if i >= len(links):
             raise FakeNVMLError(3)
         return links[i]
+
     call("nvmlDeviceGetNvLinkState", link)
     # burn-in monitor: counters read from the dicts, so a test can change them between reads
-    call("nvmlDeviceGetTotalEccErrors",
-         lambda h, etype, counter: gpus[h].get("ecc_unc" if etype == 1 else "ecc_cor", 0))
+    call(
+        "nvmlDeviceGetTotalEccErrors", lambda h, etype, counter: gpus[h].get("ecc_unc" if etype == 1 else "ecc_cor", 0)
+    )
     call("nvmlDeviceGetRetiredPages", lambda h, cause: list(range(gpus[h].get("retired", 0))) if cause == 1 else [])
     call("nvmlDeviceGetCurrentClocksEventReasons", lambda h: gpus[h].get("throttle", 0))
     call("nvmlShutdown", lambda: None)

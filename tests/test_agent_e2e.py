@@ -10,8 +10,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from agent.report.condition import parse_rfc3339
-from agent.testing.cluster import AGENT_RULES, condition
-from agent.testing.harness import wait_for
+from testkit.cluster import AGENT_RULES, condition
+from testkit.harness import wait_for
 
 pytestmark = pytest.mark.apiserver
 
@@ -117,8 +117,10 @@ def test_xid_storm_writes_are_bounded(admin, agent_factory, simhost):
     writes = a.metric("gpu_ready_condition_writes_total") - writes_before
     event_writes = a.metric("gpu_ready_events_total")
     api = a.metric("gpu_ready_api_requests_total")
-    print(f"\n[storm] 100000 records read in {elapsed:.2f}s; condition writes {writes:.0f}; "
-          f"event writes {event_writes:.0f}; API requests {api:.0f}")
+    print(
+        f"\n[storm] 100000 records read in {elapsed:.2f}s; condition writes {writes:.0f}; "
+        f"event writes {event_writes:.0f}; API requests {api:.0f}"
+    )
     assert writes <= 3
     fatal_events = [e for e in events_for(admin, a.node) if e["reason"] == "FatalXid"]
     print(f"[storm] FatalXid events {len(fatal_events)}: " + ", ".join(sorted(e["note"][:30] for e in fatal_events)))
@@ -157,8 +159,12 @@ def test_forbidden_is_logged_once_and_recovers_when_rbac_is_fixed(admin, agent_f
     assert sum(1 for r in logged if r.get("state") == "forbidden") == 1, "log once per state change"
     assert a.gpu_ready(admin) is None
     role = a.sa["cluster_role"]
-    admin.request("PATCH", f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{role}", {"rules": AGENT_RULES},
-                  "application/merge-patch+json")
+    admin.request(
+        "PATCH",
+        f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{role}",
+        {"rules": AGENT_RULES},
+        "application/merge-patch+json",
+    )
     a.wait_status(admin, "True", timeout=30)
 
 
@@ -193,11 +199,21 @@ def test_corrupt_state_file_is_replaced_not_fatal(admin, agent_factory, simhost)
 def test_bad_configuration_exits_nonzero_naming_the_setting(tmp_path):
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "agent.cli", "run", "--node-name", "n", "--poll-interval", "-3"],
-                       capture_output=True, text=True, timeout=30)
+
+    r = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "run", "--node-name", "n", "--poll-interval", "-3"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2 and "poll-interval" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "agent.cli", "run"], capture_output=True, text=True, timeout=30,
-                       env={k: v for k, v in os.environ.items() if k != "NODE_NAME"})
+    r = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "run"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in os.environ.items() if k != "NODE_NAME"},
+    )
     assert r.returncode == 2 and "node-name" in r.stderr
 
 
@@ -212,15 +228,16 @@ def test_time_from_kmsg_append_to_condition_false(admin, agent_factory, simhost)
     assert took < 5.0, "a fatal Xid must not wait for the 30 s poll"
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/dev/kmsg", os.W_OK),
-                    reason="needs root and a writable /dev/kmsg")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.access("/dev/kmsg", os.W_OK), reason="needs root and a writable /dev/kmsg"
+)
 def test_real_dev_kmsg_record_turns_condition_false(admin, agent_factory, tmp_path):
     """Writes a real record to the real /dev/kmsg. The ring buffer lives as long as the machine, so
     records from earlier runs may already be there (and, correctly, keep the node False): the GPU
     here gets a random bus id, and the test waits for the fault on that GPU."""
     import random
 
-    from agent.testing.simhost import SimHost
+    from testkit.simhost import SimHost
 
     host = SimHost(tmp_path / "realkmsg", buses=tuple(sorted(random.sample(range(0x10, 0xF0), 8))))
     # Records written from user space get the user facility; --kmsg-trust-user lets the test count them.
@@ -240,8 +257,8 @@ def test_real_dev_kmsg_record_turns_condition_false(admin, agent_factory, tmp_pa
 
 def test_apiserver_outage_fault_during_outage_is_reported_after(control_plane, tmp_path):
     """Own control plane: stop kube-apiserver mid-run, cause a fault while it is down, start it again."""
-    from agent.testing.controlplane import ControlPlane
-    from agent.testing.harness import launch_agent
+    from testkit.controlplane import ControlPlane
+    from testkit.harness import launch_agent
 
     cp = ControlPlane(control_plane.bin_dir, workdir=str(tmp_path / "cp")).start()
     try:

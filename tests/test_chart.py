@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from agent.kube import ApiError
-from agent.testing.cluster import ensure_namespace, now_rfc3339
-from agent.testing.controlplane import ControlPlane
+from testkit.cluster import ensure_namespace, now_rfc3339
+from testkit.controlplane import ControlPlane
 from tests.test_observability import tool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,16 +26,48 @@ KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or "kub
 
 VALUE_SETS = {
     "defaults": [],
-    "monitoring": ["--set", "serviceMonitor.enabled=true", "--set", "prometheusRule.enabled=true",
-                   "--set", "dashboard.enabled=true"],
-    "custom": ["--set", "nodeRestriction.enabled=false", "--set", "serviceAccount.create=false",
-               "--set", "serviceAccount.name=existing", "--set", "runtimeClassName=",
-               "--set", "agent.privileged=true", "--set", "config.expectedGpus=8",
-               "--set", "config.xidIgnore={109}", "--set-json", "affinity={}",
-               "--set-json", 'nodeSelector={"pool":"h100"}', "--set", "updateStrategy.maxUnavailable=1",
-               "--set", "metrics.port=9555", "--set", "priorityClassName="],
-    "preflight": ["--set", "preflight.enabled=true", "--set", "preflight.nodeName=gpu-node-7",
-                  "--set-json", 'preflight.profile={"gpuCount":8,"gpuModel":"H100"}'],
+    "monitoring": [
+        "--set",
+        "serviceMonitor.enabled=true",
+        "--set",
+        "prometheusRule.enabled=true",
+        "--set",
+        "dashboard.enabled=true",
+    ],
+    "custom": [
+        "--set",
+        "nodeRestriction.enabled=false",
+        "--set",
+        "serviceAccount.create=false",
+        "--set",
+        "serviceAccount.name=existing",
+        "--set",
+        "runtimeClassName=",
+        "--set",
+        "agent.privileged=true",
+        "--set",
+        "config.expectedGpus=8",
+        "--set",
+        "config.xidIgnore={109}",
+        "--set-json",
+        "affinity={}",
+        "--set-json",
+        'nodeSelector={"pool":"h100"}',
+        "--set",
+        "updateStrategy.maxUnavailable=1",
+        "--set",
+        "metrics.port=9555",
+        "--set",
+        "priorityClassName=",
+    ],
+    "preflight": [
+        "--set",
+        "preflight.enabled=true",
+        "--set",
+        "preflight.nodeName=gpu-node-7",
+        "--set-json",
+        'preflight.profile={"gpuCount":8,"gpuModel":"H100"}',
+    ],
 }
 
 
@@ -47,8 +79,9 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def render(values: list[str], namespace: str = "gpu-ready", release: str = "gpu-ready") -> list[dict]:
-    out = helm("template", release, str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION,
-               *values).stdout
+    out = helm(
+        "template", release, str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION, *values
+    ).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -61,8 +94,9 @@ def test_helm_lint(name):
 def test_schema_rejects_bad_values():
     r = helm("lint", str(CHART), "--set", "config.nvml=maybe", check=False)
     assert r.returncode != 0 and "/config/nvml" in r.stdout + r.stderr
-    r = helm("template", "x", str(CHART), "--kube-version", KUBE_VERSION, "--set", "config.pollIntervall=3",
-             check=False)
+    r = helm(
+        "template", "x", str(CHART), "--kube-version", KUBE_VERSION, "--set", "config.pollIntervall=3", check=False
+    )
     assert r.returncode != 0 and "pollIntervall" in r.stderr
 
 
@@ -101,8 +135,12 @@ def test_default_manifest_shape():
 
 def test_configmap_is_a_valid_agent_config(tmp_path):
     from agent import config
-    cm = next(d for d in render(["--set", "config.expectedGpus=8", "--set", "config.xidIgnore={109,63}"])
-              if d["kind"] == "ConfigMap")
+
+    cm = next(
+        d
+        for d in render(["--set", "config.expectedGpus=8", "--set", "config.xidIgnore={109,63}"])
+        if d["kind"] == "ConfigMap"
+    )
     f = tmp_path / "config.yaml"
     f.write_text(cm["data"]["config.yaml"])
     cfg = config.load(None, environ={"GPU_READY_CONFIG": str(f)})
@@ -110,10 +148,12 @@ def test_configmap_is_a_valid_agent_config(tmp_path):
 
 
 def test_chart_rules_and_dashboard_are_the_shipped_files():
-    assert (CHART / "files" / "gpu-ready.rules.yaml").read_bytes() == \
-        (ROOT / "deploy" / "prometheus" / "gpu-ready.rules.yaml").read_bytes()
-    assert (CHART / "files" / "gpu-ready-dashboard.json").read_bytes() == \
-        (ROOT / "deploy" / "grafana" / "gpu-ready-dashboard.json").read_bytes()
+    assert (CHART / "files" / "gpu-ready.rules.yaml").read_bytes() == (
+        ROOT / "deploy" / "prometheus" / "gpu-ready.rules.yaml"
+    ).read_bytes()
+    assert (CHART / "files" / "gpu-ready-dashboard.json").read_bytes() == (
+        ROOT / "deploy" / "grafana" / "gpu-ready-dashboard.json"
+    ).read_bytes()
     docs = render(VALUE_SETS["monitoring"])
     rule = next(d for d in docs if d["kind"] == "PrometheusRule")
     assert rule["spec"] == yaml.safe_load((ROOT / "deploy" / "prometheus" / "gpu-ready.rules.yaml").read_text())
@@ -133,8 +173,9 @@ def test_offline_strict_schema_validation(name, tmp_path):
 
 
 def kubectl(cp: ControlPlane, kc: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([KUBECTL, "--kubeconfig", str(kc), *args], capture_output=True, text=True, input=stdin,
-                          timeout=120)
+    return subprocess.run(
+        [KUBECTL, "--kubeconfig", str(kc), *args], capture_output=True, text=True, input=stdin, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +185,14 @@ def crds_loaded(control_plane, tmp_path_factory):
     for name in ("servicemonitors", "prometheusrules"):
         r = kubectl(control_plane, kc, "apply", "--server-side", "-f", str(crds / f"monitoring.coreos.com_{name}.yaml"))
         assert r.returncode == 0, r.stderr
-        r = kubectl(control_plane, kc, "wait", "--for=condition=Established", "--timeout=60s",
-                    f"crd/{name}.monitoring.coreos.com")
+        r = kubectl(
+            control_plane,
+            kc,
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            f"crd/{name}.monitoring.coreos.com",
+        )
         assert r.returncode == 0, r.stderr
     return kc
 
@@ -165,28 +212,54 @@ def test_server_side_dry_run(name, control_plane, admin, crds_loaded):
 def test_chart_rbac_and_own_node_admission_policy(control_plane, admin, make_node, crds_loaded):
     ns = f"gr-rbac-{secrets.token_hex(3)}"
     ensure_namespace(admin, ns)
-    r = kubectl(control_plane, crds_loaded, "apply", "-f", "-",
-                stdin=yaml.safe_dump_all(render([], namespace=ns, release=ns)))
+    r = kubectl(
+        control_plane, crds_loaded, "apply", "-f", "-", stdin=yaml.safe_dump_all(render([], namespace=ns, release=ns))
+    )
     assert r.returncode == 0, r.stderr
     sa = f"{ns}-gpu-ready"  # the chart's fullname: <release>-gpu-ready
     node_a = make_node(labels={"nvidia.com/gpu.present": "true"}, capacity={"nvidia.com/gpu": "8"})
     node_b = make_node(labels={"nvidia.com/gpu.present": "true"}, capacity={"nvidia.com/gpu": "8"})
-    pod = admin.request("POST", f"/api/v1/namespaces/{ns}/pods", {
-        "metadata": {"name": "agent-a"},
-        "spec": {"nodeName": node_a, "serviceAccountName": sa, "containers": [{"name": "a", "image": "x"}]}})
-    tr = admin.request("POST", f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token", {
-        "spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 3600,
-                 "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": "agent-a",
-                                    "uid": pod["metadata"]["uid"]}}})
+    pod = admin.request(
+        "POST",
+        f"/api/v1/namespaces/{ns}/pods",
+        {
+            "metadata": {"name": "agent-a"},
+            "spec": {"nodeName": node_a, "serviceAccountName": sa, "containers": [{"name": "a", "image": "x"}]},
+        },
+    )
+    tr = admin.request(
+        "POST",
+        f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token",
+        {
+            "spec": {
+                "audiences": ["https://kubernetes.default.svc"],
+                "expirationSeconds": 3600,
+                "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": "agent-a", "uid": pod["metadata"]["uid"]},
+            }
+        },
+    )
     from agent.kube import KubeApi
+
     agent = KubeApi.from_token(control_plane.host, tr["status"]["token"], control_plane.ca_file)
-    review = admin.request("POST", "/apis/authentication.k8s.io/v1/tokenreviews",
-                           {"spec": {"token": tr["status"]["token"]}})
+    review = admin.request(
+        "POST", "/apis/authentication.k8s.io/v1/tokenreviews", {"spec": {"token": tr["status"]["token"]}}
+    )
     assert review["status"]["user"]["extra"]["authentication.kubernetes.io/node-name"] == [node_a]
 
-    cond = {"status": {"conditions": [{"type": "GPUReady", "status": "True", "reason": "GPUsHealthy",
-                                       "message": "ok", "lastHeartbeatTime": now_rfc3339(),
-                                       "lastTransitionTime": now_rfc3339()}]}}
+    cond = {
+        "status": {
+            "conditions": [
+                {
+                    "type": "GPUReady",
+                    "status": "True",
+                    "reason": "GPUsHealthy",
+                    "message": "ok",
+                    "lastHeartbeatTime": now_rfc3339(),
+                    "lastTransitionTime": now_rfc3339(),
+                }
+            ]
+        }
+    }
     can, cannot = [], []
 
     def attempt(what, fn):
@@ -210,10 +283,23 @@ def test_chart_rbac_and_own_node_admission_policy(control_plane, admin, make_nod
         time.sleep(0.3)
     attempt("get node A", lambda: agent.get_node(node_a))
     attempt("patch node A status", lambda: agent.patch_node_status(node_a, cond))
-    attempt("create event", lambda: agent.create_event("default", {
-        "metadata": {"name": f"{node_a}.{secrets.token_hex(4)}"}, "eventTime": "2026-11-30T00:00:00.000000Z",
-        "reportingController": "gpu-ready", "reportingInstance": "gpu-ready-a", "action": "Test",
-        "reason": "Test", "regarding": {"kind": "Node", "name": node_a}, "type": "Normal", "note": "rbac test"}))
+    attempt(
+        "create event",
+        lambda: agent.create_event(
+            "default",
+            {
+                "metadata": {"name": f"{node_a}.{secrets.token_hex(4)}"},
+                "eventTime": "2026-11-30T00:00:00.000000Z",
+                "reportingController": "gpu-ready",
+                "reportingInstance": "gpu-ready-a",
+                "action": "Test",
+                "reason": "Test",
+                "regarding": {"kind": "Node", "name": node_a},
+                "type": "Normal",
+                "note": "rbac test",
+            },
+        ),
+    )
     attempt("patch node B status", lambda: agent.patch_node_status(node_b, cond))
     attempt("patch node A object", lambda: agent.patch_node(node_a, {"metadata": {"labels": {"x": "y"}}}))
     attempt("list secrets", lambda: agent.request("GET", "/api/v1/secrets"))
@@ -226,8 +312,16 @@ def test_chart_rbac_and_own_node_admission_policy(control_plane, admin, make_nod
     assert can == ["get node A", "patch node A status", "create event"]
     by = dict(cannot)
     assert "may only change the Node it runs on" in by["patch node B status"]
-    assert set(by) == {"patch node B status", "patch node A object", "list secrets", "read secrets in its namespace",
-                       "list pods", "read its own pod", "list nodes", "delete node B"}
+    assert set(by) == {
+        "patch node B status",
+        "patch node A object",
+        "list secrets",
+        "read secrets in its namespace",
+        "list pods",
+        "read its own pod",
+        "list nodes",
+        "delete node B",
+    }
     agent.close()
 
 
@@ -248,8 +342,12 @@ def test_dockerfile_install_steps_in_a_fresh_venv(tmp_path):
         dst = src / item
         dst.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if (ROOT / item).is_dir() else shutil.copy)(ROOT / item, dst)
-    r = subprocess.run(["sh", str(src / "docker" / "install.sh"), str(tmp_path / "opt"), str(src)],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        ["sh", str(src / "docker" / "install.sh"), str(tmp_path / "opt"), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().startswith("gpu-ready ")
     r = subprocess.run([str(tmp_path / "opt" / "bin" / "gpu-ready"), "run", "--help"], capture_output=True, text=True)

@@ -26,17 +26,26 @@ def check_node(control_plane, make_node, simhost, tmp_path):
     kc = control_plane.kubeconfig(tmp_path / "kubeconfig")
 
     def _run(capacity=None, allocatable=None, labels=None, *extra):
-        node = make_node(labels=labels, capacity=capacity if capacity is not None else simhost.plugin_resources(),
-                         allocatable=allocatable)
+        node = make_node(
+            labels=labels,
+            capacity=capacity if capacity is not None else simhost.plugin_resources(),
+            allocatable=allocatable,
+        )
         return run_check(simhost, "--node", node, *extra, kubeconfig=kc)
+
     return _run
 
 
 def test_healthy(check_node):
     rc, out = check_node()
     assert rc == 0 and out["status"] == "True" and out["reason"] == "GPUsHealthy"
-    assert out["counts"] == {"pci": 8, "nvidia_smi": 8, "plugin_capacity": 8, "plugin_allocatable": 8,
-                             "plugin_physical": 8}
+    assert out["counts"] == {
+        "pci": 8,
+        "nvidia_smi": 8,
+        "plugin_capacity": 8,
+        "plugin_allocatable": 8,
+        "plugin_physical": 8,
+    }
     assert [g["pci_bus_id"] for g in out["gpus"]][:2] == ["00000000:19:00.0", "00000000:3B:00.0"]
     assert all(g["healthy"] is True and g["problems"] == [] for g in out["gpus"])
 
@@ -60,8 +69,9 @@ def test_hung_nvidia_smi(check_node, simhost):
 
 def test_mig_mixed(check_node, simhost):
     simhost.set_smi(mig={0: 4, 1: 4})
-    rc, out = check_node({"nvidia.com/gpu": "6", "nvidia.com/mig-1g.10gb": "8"}, None,
-                         {"nvidia.com/mig.strategy": "mixed"})
+    rc, out = check_node(
+        {"nvidia.com/gpu": "6", "nvidia.com/mig-1g.10gb": "8"}, None, {"nvidia.com/mig.strategy": "mixed"}
+    )
     assert rc == 0, out["message"]
     assert out["counts"]["plugin_physical"] == 8 and out["counts"]["plugin_capacity"] == 14
 
@@ -100,15 +110,18 @@ def test_fatal_xid(check_node, simhost):
     simhost.append_xid(79, 2)
     rc, out = check_node()
     assert rc == 1 and out["reason"] == "FatalXid"
-    assert {(x["xid"], x["pci_bus_id"], x["fatal"]) for x in out["xids"]} == {(13, "0000:3b:00", False),
-                                                                             (79, "0000:4c:00", True)}
+    assert {(x["xid"], x["pci_bus_id"], x["fatal"]) for x in out["xids"]} == {
+        (13, "0000:3b:00", False),
+        (79, "0000:4c:00", True),
+    }
 
 
 def test_node_json_and_no_node(simhost, tmp_path):
     saved = tmp_path / "node.json"
     gpus = {"nvidia.com/gpu": "8"}
-    saved.write_text(json.dumps({"kind": "Node", "metadata": {"name": "n"},
-                                 "status": {"capacity": gpus, "allocatable": gpus}}))
+    saved.write_text(
+        json.dumps({"kind": "Node", "metadata": {"name": "n"}, "status": {"capacity": gpus, "allocatable": gpus}})
+    )
     rc, out = run_check(simhost, "--node-json", str(saved))
     assert rc == 0 and out["counts"]["plugin_physical"] == 8
     rc, out = run_check(simhost)
@@ -117,8 +130,9 @@ def test_node_json_and_no_node(simhost, tmp_path):
 
 def test_api_unreachable_is_unknown(simhost, tmp_path, control_plane):
     kc = tmp_path / "kc"
-    kc.write_text(control_plane.kubeconfig(tmp_path / "x").read_text().replace(control_plane.host,
-                                                                              "https://127.0.0.1:1"))
+    kc.write_text(
+        control_plane.kubeconfig(tmp_path / "x").read_text().replace(control_plane.host, "https://127.0.0.1:1")
+    )
     rc, out = run_check(simhost, "--node", "n", kubeconfig=kc)
     assert rc == 2 and out["status"] == "Unknown" and "cannot read the Node" in out["message"]
 
@@ -133,8 +147,9 @@ def test_api_forbidden_is_unknown(simhost, tmp_path, control_plane, make_node, s
 
 def test_table_output(simhost):
     simhost.set_smi(err={0: ("Fan",)})
-    r = subprocess.run([sys.executable, "-m", "agent.cli", "check", *simhost.check_args()], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "check", *simhost.check_args()], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 1
     assert "0    00000000:19:00.0  NVIDIA H100 80GB HBM3        UNHEALTHY NvidiaSmiErr: ERR! in Fan" in r.stdout
     assert "GPUReady=False  reason=NvidiaSmiErr" in r.stdout

@@ -17,17 +17,25 @@ def test_precedence_flag_env_file_default(tmp_path):
     f.write_text("pollInterval: 10\nxidIgnore: [109]\nexpectedGpus: 8\n")
     args = config.argparse.Namespace(config=str(f), poll_interval=None, nvml="off")
     cfg = config.load(args, environ={"GPU_READY_POLL_INTERVAL": "20", "NODE_NAME": "n1"})
-    assert (cfg.poll_interval, cfg.xid_ignore, cfg.expected_gpus, cfg.nvml, cfg.node_name) == (20.0, [109], 8, "off",
-                                                                                                 "n1")
+    assert (cfg.poll_interval, cfg.xid_ignore, cfg.expected_gpus, cfg.nvml, cfg.node_name) == (
+        20.0,
+        [109],
+        8,
+        "off",
+        "n1",
+    )
     assert cfg.heartbeat_interval == 300.0
 
 
-@pytest.mark.parametrize(("env", "needle"), [
-    ({"GPU_READY_POLL_INTERVAL": "0"}, "poll-interval"),
-    ({"GPU_READY_NVML": "maybe"}, "nvml"),
-    ({"GPU_READY_XID_FATAL": "79", "GPU_READY_XID_IGNORE": "79"}, "both lists"),
-    ({"GPU_READY_RECOVERY_POLLS": "two"}, "recovery-polls"),
-])
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"GPU_READY_POLL_INTERVAL": "0"}, "poll-interval"),
+        ({"GPU_READY_NVML": "maybe"}, "nvml"),
+        ({"GPU_READY_XID_FATAL": "79", "GPU_READY_XID_IGNORE": "79"}, "both lists"),
+        ({"GPU_READY_RECOVERY_POLLS": "two"}, "recovery-polls"),
+    ],
+)
 def test_bad_values_name_the_setting(env, needle):
     with pytest.raises(config.ConfigError, match=needle):
         config.load(None, environ=env)
@@ -109,6 +117,7 @@ def test_event_storm_is_bounded_and_aggregated():
 
 def test_configuration_doc_lists_every_setting():
     from pathlib import Path
+
     doc = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
     for s in config.SETTINGS:
         assert f"| `{s.flag}` | `{s.env_name}`" in doc and f"`{s.file_key}`" in doc, s.name

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.testing import controlplane
-from agent.testing.controlplane import free_port, terminate_group
-from agent.testing.harness import wait_for
+from testkit import controlplane
+from testkit.controlplane import free_port, terminate_group
+from testkit.harness import wait_for
 from tests.conftest import IN_CI
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,12 +41,22 @@ def test_promtool_check_rules():
 
 
 def test_promtool_unit_tests_each_alert_fires_and_not():
-    r = subprocess.run([tool("promtool"), "test", "rules", "gpu-ready.rules.test.yaml"], capture_output=True,
-                       text=True, cwd=ROOT / "tests" / "prometheus")
+    r = subprocess.run(
+        [tool("promtool"), "test", "rules", "gpu-ready.rules.test.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT / "tests" / "prometheus",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     tests = yaml.safe_load((ROOT / "tests" / "prometheus" / "gpu-ready.rules.test.yaml").read_text())["tests"]
-    for alert in ("GPUNodeNotReady", "GPUFatalXid", "GPUCountMismatch", "GPUReadyUnknown", "GPUReadyAgentDown",
-                  "NvidiaSmiHung"):
+    for alert in (
+        "GPUNodeNotReady",
+        "GPUFatalXid",
+        "GPUCountMismatch",
+        "GPUReadyUnknown",
+        "GPUReadyAgentDown",
+        "NvidiaSmiHung",
+    ):
         cases = [c for t in tests for c in t["alert_rule_test"] if c["alertname"] == alert]
         assert any(c["exp_alerts"] for c in cases), f"{alert}: no firing case"
         assert any(not c["exp_alerts"] for c in cases) or alert == "GPUReadyAgentDown", f"{alert}: no silent case"
@@ -67,9 +77,19 @@ def exported_names() -> set[str]:
 
     from agent.model import Counts, GpuStatus, Reason, Status, Verdict, XidEvent
     from agent.report.metrics import Metrics
+
     m = Metrics()
-    m.publish(Verdict(Status.TRUE, Reason.GPUS_HEALTHY, "ok", (GpuStatus(0, "00000000:19:00.0", "H100", True),),
-                      (Reason.GPUS_HEALTHY,), Counts(8, 8, 8, 8, 8)), 0)
+    m.publish(
+        Verdict(
+            Status.TRUE,
+            Reason.GPUS_HEALTHY,
+            "ok",
+            (GpuStatus(0, "00000000:19:00.0", "H100", True),),
+            (Reason.GPUS_HEALTHY,),
+            Counts(8, 8, 8, 8, 8),
+        ),
+        0,
+    )
     m.observe_xid(XidEvent(79, None, "0000:19:00", True, "t"))
     m.api_request("GET", 200)
     m.events.labels("FatalXid").inc()
@@ -91,8 +111,13 @@ def test_rules_dashboard_and_docs_use_only_exported_metrics():
 def test_dashboard_has_the_panels():
     d = json.loads(DASHBOARD.read_text())
     exprs = " ".join(t["expr"] for p in d["panels"] for t in p["targets"])
-    for metric in ("gpu_ready_status", "gpu_ready_gpu_healthy", "gpu_ready_xid_total", "gpu_ready_gpus",
-                   "gpu_ready_check_duration_seconds_bucket"):
+    for metric in (
+        "gpu_ready_status",
+        "gpu_ready_gpu_healthy",
+        "gpu_ready_xid_total",
+        "gpu_ready_gpus",
+        "gpu_ready_check_duration_seconds_bucket",
+    ):
         assert metric in exprs
 
 
@@ -102,11 +127,17 @@ def test_label_values_are_bounded():
     from agent.model import Check, Counts, Finding, GpuIdentity, Observation, PciAddress, Reason
     from agent.report.metrics import Metrics
     from agent.verdict import decide
+
     m = Metrics()
     a = PciAddress(0, 0x19, 0)
     long = "x" * 500
-    v = decide(Observation([Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, long, a)],
-                           {a: GpuIdentity(a, 0, "H100")}, Counts(1, 1)))
+    v = decide(
+        Observation(
+            [Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, long, a)],
+            {a: GpuIdentity(a, 0, "H100")},
+            Counts(1, 1),
+        )
+    )
     m.publish(v, 0)
     assert long not in generate_latest(m.registry).decode()
 
@@ -130,16 +161,33 @@ def test_real_prometheus_scrape_and_fatal_xid_alert(agent_factory, admin, simhos
     a.wait_status(admin, "True")
     port = free_port()
     cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
-        "rule_files": [str(RULES)],
-        "scrape_configs": [{"job_name": "gpu-ready", "static_configs": [
-            {"targets": [f"127.0.0.1:{a.port}"], "labels": {"node": a.node}}]}],
-    }))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
+                "rule_files": [str(RULES)],
+                "scrape_configs": [
+                    {
+                        "job_name": "gpu-ready",
+                        "static_configs": [{"targets": [f"127.0.0.1:{a.port}"], "labels": {"node": a.node}}],
+                    }
+                ],
+            }
+        )
+    )
     log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115
-    prom = subprocess.Popen([tool("prometheus"), f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    prom = subprocess.Popen(
+        [
+            tool("prometheus"),
+            f"--config.file={cfg}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: prom_query(base, 'gpu_ready_status{status="True"} == 1'), 30, 0.3, "first scrape")
@@ -150,15 +198,21 @@ def test_real_prometheus_scrape_and_fatal_xid_alert(agent_factory, admin, simhos
         got = wait_for(lambda: prom_query(base, 'gpu_ready_xid_total{fatal="true",xid="79"}'), 20, 0.3, "xid metric")
         assert got[0]["metric"]["pci_bus_id"] == "0000:5d:00" and got[0]["metric"]["node"] == a.node
         assert wait_for(lambda: prom_query(base, 'gpu_ready_status{status="False",reason="FatalXid"} == 1'), 20, 0.3)
-        alert = wait_for(lambda: [x for x in prom_alerts(base) if x["labels"]["alertname"] == "GPUFatalXid"],
-                         30, 0.3, "GPUFatalXid alert")
+        alert = wait_for(
+            lambda: [x for x in prom_alerts(base) if x["labels"]["alertname"] == "GPUFatalXid"],
+            30,
+            0.3,
+            "GPUFatalXid alert",
+        )
         assert alert[0]["state"] in ("pending", "firing")
         assert alert[0]["labels"]["node"] == a.node and alert[0]["labels"]["xid"] == "79"
         unhealthy = prom_query(base, "gpu_ready_gpu_healthy == 0")
         assert [s["metric"]["gpu"] for s in unhealthy] == ["3"]
         series_after = prom_query(base, 'scrape_samples_scraped{job="gpu-ready"}')[0]["value"][1]
-        print(f"\n[scrape] 8-GPU node: {series} series healthy, {series_after} with one fatal Xid; "
-              f"scrape duration {duration * 1000:.1f} ms")
+        print(
+            f"\n[scrape] 8-GPU node: {series} series healthy, {series_after} with one fatal Xid; "
+            f"scrape duration {duration * 1000:.1f} ms"
+        )
     finally:
         terminate_group(prom)
         log.close()
@@ -170,6 +224,7 @@ def test_openmetrics_negotiation_and_health_codes():
 
     from agent.report.metrics import Metrics
     from agent.report.server import HealthServer
+
     state = {"healthy": (True, "ok"), "ready": (False, "first check cycle not completed")}
     srv = HealthServer("127.0.0.1:0", Metrics().registry, lambda: state["healthy"], lambda: state["ready"]).start()
     base = f"http://127.0.0.1:{srv.port}"
@@ -197,8 +252,18 @@ def test_agent_health_turns_503_when_the_loop_stalls(simhost):
     from agent import config
     from agent.kube import KubeApi
     from agent.runner import Agent
-    cfg = config.load(None, environ={}, overrides={"node_name": "n", "poll_interval": 10, "nvidia_smi_timeout": 5,
-                                                   "state_dir": str(simhost.state_dir), "kmsg": str(simhost.kmsg)})
+
+    cfg = config.load(
+        None,
+        environ={},
+        overrides={
+            "node_name": "n",
+            "poll_interval": 10,
+            "nvidia_smi_timeout": 5,
+            "state_dir": str(simhost.state_dir),
+            "kmsg": str(simhost.kmsg),
+        },
+    )
     agent = Agent(cfg, api=KubeApi.from_token("https://127.0.0.1:1", "t"))
     assert agent.healthy()[0] and not agent.ready()[0]
     agent.cycles, agent.last_cycle_mono = 1, _time.monotonic() - 36  # 3 intervals + the smi timeout = 35 s

@@ -29,9 +29,18 @@ from agent.preflight import (
     version_matches,
 )
 
-H100 = {"gpuModel": "H100", "gpuCount": 8, "memoryPerGpuMiB": 80000, "driverVersion": ">=550.54, <600",
-        "cudaVersion": ">=12.4", "migMode": "disabled", "nvlinkLinksPerGpu": 18, "pcieGen": 5, "pcieWidth": 16,
-        "eccEnabled": True}
+H100 = {
+    "gpuModel": "H100",
+    "gpuCount": 8,
+    "memoryPerGpuMiB": 80000,
+    "driverVersion": ">=550.54, <600",
+    "cudaVersion": ">=12.4",
+    "migMode": "disabled",
+    "nvlinkLinksPerGpu": 18,
+    "pcieGen": 5,
+    "pcieWidth": 16,
+    "eccEnabled": True,
+}
 
 
 def test_version_ranges():
@@ -57,18 +66,23 @@ def test_spec_gate_on_the_simulated_host(simhost):
     assert r.status == PASS, r.reason
 
 
-@pytest.mark.parametrize(("change", "needle"), [
-    (lambda h: setattr(h.gpus[2], "nvlink_up", 16), "GPU 2 (00000000:4C:00.0): 16 NVLink links up, expected 18"),
-    (lambda h: setattr(h.gpus[5], "pcie_width", 8), "GPU 5 (00000000:BB:00.0): PCIe x8 < x16"),
-    (lambda h: setattr(h.gpus[1], "ecc", False), "GPU 1 (00000000:3B:00.0): ECC Disabled, expected enabled"),
-    (lambda h: setattr(h.gpus[7], "in_smi", False), "expected 8 GPUs, found 7"),
-    (lambda h: setattr(h.gpus[0], "mig_devices", 3), "GPU 0 (00000000:19:00.0): MIG Enabled, expected disabled"),
-    (lambda h: setattr(h.gpus[4], "memory_mib", 40000), "GPU 4 (00000000:9B:00.0): 40000 MiB < 80000 MiB"),
-])
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda h: setattr(h.gpus[2], "nvlink_up", 16), "GPU 2 (00000000:4C:00.0): 16 NVLink links up, expected 18"),
+        (lambda h: setattr(h.gpus[5], "pcie_width", 8), "GPU 5 (00000000:BB:00.0): PCIe x8 < x16"),
+        (lambda h: setattr(h.gpus[1], "ecc", False), "GPU 1 (00000000:3B:00.0): ECC Disabled, expected enabled"),
+        (lambda h: setattr(h.gpus[7], "in_smi", False), "expected 8 GPUs, found 7"),
+        (lambda h: setattr(h.gpus[0], "mig_devices", 3), "GPU 0 (00000000:19:00.0): MIG Enabled, expected disabled"),
+        (lambda h: setattr(h.gpus[4], "memory_mib", 40000), "GPU 4 (00000000:9B:00.0): 40000 MiB < 80000 MiB"),
+    ],
+)
 def test_spec_gate_failures(simhost, change, needle):
     change(simhost)
-    simhost.set_smi(mig={i: g.mig_devices for i, g in enumerate(simhost.gpus)},
-                    hidden=tuple(i for i, g in enumerate(simhost.gpus) if not g.in_smi))
+    simhost.set_smi(
+        mig={i: g.mig_devices for i, g in enumerate(simhost.gpus)},
+        hidden=tuple(i for i, g in enumerate(simhost.gpus) if not g.in_smi),
+    )
     gpus, cuda = read_spec_nvidia_smi(str(simhost.nvidia_smi))
     r = check_spec(Profile.from_mapping(H100), gpus, cuda)
     assert r.status == FAIL and needle in r.reason
@@ -87,9 +101,17 @@ def test_orchestration_timeouts_errors_and_skips():
 
     def boom():
         raise RuntimeError("NVRTC compilation failed")
+
     t0 = time.monotonic()
-    res = run_gates({"spec": lambda: GateResult("spec", PASS, "ok"), "burnin": slow, "cuda": boom,
-                     "serving": lambda: GateResult("serving", SKIP, "not configured")}, {"burnin": 0.3})
+    res = run_gates(
+        {
+            "spec": lambda: GateResult("spec", PASS, "ok"),
+            "burnin": slow,
+            "cuda": boom,
+            "serving": lambda: GateResult("serving", SKIP, "not configured"),
+        },
+        {"burnin": 0.3},
+    )
     assert time.monotonic() - t0 < 2.5
     by = {r.gate: r for r in res}
     assert [r.gate for r in res] == ["spec", "burnin", "cuda", "serving"]
@@ -112,14 +134,16 @@ def test_gates_without_a_cuda_binding_are_skipped_with_the_reason(simhost, tmp_p
 
 def test_serving_and_burnin_commands_are_judged(tmp_path):
     ok = tmp_path / "serve.sh"
-    ok.write_text("#!/bin/sh\necho '{\"choices\":[{\"text\":\"Paris\"}]}'\n")
+    ok.write_text('#!/bin/sh\necho \'{"choices":[{"text":"Paris"}]}\'\n')
     ok.chmod(0o755)
     slow = tmp_path / "slow.sh"
     slow.write_text("#!/bin/sh\nsleep 1\necho Paris\n")
     slow.chmod(0o755)
-    prof = Profile.from_mapping({"serving": {"command": str(ok), "expectOutput": "Paris", "maxLatencySeconds": 5},
-                                 "burnInCommand": "false"})
+    prof = Profile.from_mapping(
+        {"serving": {"command": str(ok), "expectOutput": "Paris", "maxLatencySeconds": 5}, "burnInCommand": "false"}
+    )
     from tests.fakes import fake_nvml
+
     nv = fake_nvml([{"busId": "00000000:19:00.0"}])
     res = {r.gate: r for r in run_gates(build_gates(prof, "nvidia-smi", None, nv, None), {})}
     assert res["serving"].status == PASS and res["serving"].evidence["exit_code"] == 0
@@ -137,8 +161,11 @@ pytest_apiserver = pytest.mark.apiserver
 
 def node_obj(admin, name):
     n = admin.get_node(name)
-    return (n["metadata"].get("labels") or {}), (n["metadata"].get("annotations") or {}), \
-        bool((n.get("spec") or {}).get("unschedulable"))
+    return (
+        (n["metadata"].get("labels") or {}),
+        (n["metadata"].get("annotations") or {}),
+        bool((n.get("spec") or {}).get("unschedulable")),
+    )
 
 
 @pytest_apiserver
@@ -149,9 +176,14 @@ def test_passing_preflight_labels_and_uncordons(admin, make_node):
     def spec():
         seen_cordoned.append(node_obj(admin, node)[2])
         return GateResult("spec", PASS, "8 GPUs match", {"gpus": 8})
-    gates = {"spec": spec, "burnin": lambda: GateResult("burnin", PASS, "ok", {"tflops": 51.2}),
-             "nvlink": lambda: GateResult("nvlink", PASS), "cuda": lambda: GateResult("cuda", PASS),
-             "serving": lambda: GateResult("serving", SKIP, "not configured")}
+
+    gates = {
+        "spec": spec,
+        "burnin": lambda: GateResult("burnin", PASS, "ok", {"tflops": 51.2}),
+        "nvlink": lambda: GateResult("nvlink", PASS),
+        "cuda": lambda: GateResult("cuda", PASS),
+        "serving": lambda: GateResult("serving", SKIP, "not configured"),
+    }
     ok, _ = onboard(admin, node, gates, Profile.from_mapping({}), needs_label="gpu-ready.io/needs-preflight")
     assert ok and seen_cordoned == [True], "the node is cordoned while the gates run"
     labels, ann, cordoned = node_obj(admin, node)
@@ -182,8 +214,10 @@ def test_node_cordoned_by_an_admin_stays_cordoned(admin, make_node):
 @pytest_apiserver
 def test_failing_gate_leaves_node_cordoned_labelled_failed_with_event(admin, make_node):
     node = make_node()
-    gates = {"spec": lambda: GateResult("spec", PASS),
-             "nvlink": lambda: GateResult("nvlink", FAIL, "3->5: 12.1 GB/s < 300", {"gbps": {"3->5": 12.1}})}
+    gates = {
+        "spec": lambda: GateResult("spec", PASS),
+        "nvlink": lambda: GateResult("nvlink", FAIL, "3->5: 12.1 GB/s < 300", {"gbps": {"3->5": 12.1}}),
+    }
     ok, _ = onboard(admin, node, gates, Profile.from_mapping({}))
     labels, ann, cordoned = node_obj(admin, node)
     assert not ok and labels["preflight"] == "failed" and cordoned and ann[CORDONED_BY] == "true"
@@ -200,15 +234,40 @@ def test_preflight_cli_end_to_end_on_the_simulated_host(control_plane, admin, ma
     serve = tmp_path / "serve.sh"
     serve.write_text("#!/bin/sh\necho 'The capital of France is Paris.'\n")
     serve.chmod(0o755)
-    prof.write_text(json.dumps({**H100, "allowSkip": ["burnin", "nvlink", "cuda"],
-                                "serving": {"command": str(serve), "expectOutput": "Paris", "maxLatencySeconds": 10}}))
-    cmd = [sys.executable, "-m", "agent.cli", "preflight", "--profile", str(prof), "--nvidia-smi",
-           str(simhost.nvidia_smi), "--node", node, "--kubeconfig", str(kc), "--json"]
+    prof.write_text(
+        json.dumps(
+            {
+                **H100,
+                "allowSkip": ["burnin", "nvlink", "cuda"],
+                "serving": {"command": str(serve), "expectOutput": "Paris", "maxLatencySeconds": 10},
+            }
+        )
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "agent.cli",
+        "preflight",
+        "--profile",
+        str(prof),
+        "--nvidia-smi",
+        str(simhost.nvidia_smi),
+        "--node",
+        node,
+        "--kubeconfig",
+        str(kc),
+        "--json",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(r.stdout)
     assert report["passed"] and {g["gate"]: g["status"] for g in report["gates"]} == {
-        "spec": "pass", "burnin": "skipped", "nvlink": "skipped", "cuda": "skipped", "serving": "pass"}
+        "spec": "pass",
+        "burnin": "skipped",
+        "nvlink": "skipped",
+        "cuda": "skipped",
+        "serving": "pass",
+    }
     labels, _, cordoned = node_obj(admin, node)
     assert labels["preflight"] == "passed" and not cordoned
     simhost.gpus[6].nvlink_up = 0
@@ -230,7 +289,6 @@ def test_agent_reports_true_only_after_preflight_passed(admin, agent_factory):
     a.wait_status(admin, "True", timeout=20)
 
 
-
 # -- the burn-in watch (NVML stand-in: no real NVML on CI machines; kmsg: the simulated host's file) -------
 
 
@@ -240,21 +298,26 @@ def _burnin_profile(cmd: str) -> Profile:
 
 def test_burnin_command_watched_clean_passes(simhost):
     from tests.fakes import fake_nvml
+
     gpus = [{"busId": "00000000:19:00.0", "remap": (0, 0, 0, 0), "throttle": 0x4 | 0x20}]  # power + thermal cap
     gates = build_gates(_burnin_profile("sleep 1.5"), "nvidia-smi", None, fake_nvml(gpus), str(simhost.kmsg))
     r = run_gates({"burnin": gates["burnin"]}, {})[0]
     assert r.status == PASS and r.evidence["watch"] == []
 
 
-@pytest.mark.parametrize(("change", "needle"), [
-    (lambda g, h: g[0].update(ecc_unc=3), "GPU 0: 3 uncorrected ECC errors during burn-in"),
-    (lambda g, h: g[0].update(retired=1), "GPU 0: 1 new retired pages"),
-    (lambda g, h: g[0].update(remap=(0, 1, 1, 0)), "GPU 0: 1 new remapped rows"),
-    (lambda g, h: g[0].update(throttle=0x8), "GPU 0: clocks throttled by HwSlowdown"),
-    (lambda g, h: h.append_xid(13, 0), "Xid 13 on 0000:19:00 during burn-in"),
-])
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda g, h: g[0].update(ecc_unc=3), "GPU 0: 3 uncorrected ECC errors during burn-in"),
+        (lambda g, h: g[0].update(retired=1), "GPU 0: 1 new retired pages"),
+        (lambda g, h: g[0].update(remap=(0, 1, 1, 0)), "GPU 0: 1 new remapped rows"),
+        (lambda g, h: g[0].update(throttle=0x8), "GPU 0: clocks throttled by HwSlowdown"),
+        (lambda g, h: h.append_xid(13, 0), "Xid 13 on 0000:19:00 during burn-in"),
+    ],
+)
 def test_burnin_watch_fails_on_each_fault(simhost, change, needle):
     from tests.fakes import fake_nvml
+
     gpus = [{"busId": "00000000:19:00.0", "remap": (0, 0, 0, 0)}]
     simhost.append_xid(79, 0)  # logged before the burn-in: must not count
     nv = fake_nvml(gpus)
@@ -263,7 +326,9 @@ def test_burnin_watch_fails_on_each_fault(simhost, change, needle):
     def fault_midway():
         time.sleep(0.8)
         change(gpus, simhost)
+
     import threading
+
     t = threading.Thread(target=fault_midway)
     t.start()
     r = run_gates({"burnin": gates["burnin"]}, {})[0]
@@ -281,6 +346,7 @@ def test_burnin_without_nvml_cannot_pass(simhost):
 def test_spec_reads_nvml_first_and_falls_back_to_nvidia_smi(simhost):
     from agent.preflight import read_spec
     from tests.fakes import fake_nvml
+
     gpus = [{"busId": f"00000000:{b:02X}:00.0", "links": [1] * 18} for b in (0x19, 0x3B)]
     gpus[1]["links"] = [1] * 16 + [0, 0]
     got, cuda, source = read_spec(str(simhost.nvidia_smi), fake_nvml(gpus))

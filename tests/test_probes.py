@@ -44,8 +44,10 @@ def test_pci_unreadable_root_is_unchecked(tmp_path):
 
 
 def node(cap, alloc=None, labels=None):
-    return {"metadata": {"labels": labels or {}},
-            "status": {"capacity": {"cpu": "8", **cap}, "allocatable": {"cpu": "8", **(alloc or cap)}}}
+    return {
+        "metadata": {"labels": labels or {}},
+        "status": {"capacity": {"cpu": "8", **cap}, "allocatable": {"cpu": "8", **(alloc or cap)}},
+    }
 
 
 def test_plugin_none_strategy():
@@ -70,8 +72,7 @@ def test_plugin_mig_single():
 
 def test_plugin_mig_mixed():
     lay = MigLayout(mig_enabled_gpus=2, gpus_with_mig_devices=2, mig_devices=8, full_gpus=6)
-    pc = plugin_counts(node({"nvidia.com/gpu": "6", "nvidia.com/mig-1g.10gb": "4", "nvidia.com/mig-3g.40gb": "4"}),
-                       lay)
+    pc = plugin_counts(node({"nvidia.com/gpu": "6", "nvidia.com/mig-1g.10gb": "4", "nvidia.com/mig-3g.40gb": "4"}), lay)
     assert (pc.strategy, pc.physical) == ("mixed", 8)
     # the plugin lost half the MIG devices: one MIG GPU is missing behind the plugin
     pc = plugin_counts(node({"nvidia.com/gpu": "6", "nvidia.com/mig-1g.10gb": "4"}), lay)
@@ -130,14 +131,16 @@ def test_unreapable_child_is_abandoned_and_no_second_one_starts(simhost, monkeyp
 
 
 def test_nvml_faults_per_gpu():
-    m = fake_nvml([
-        {"busId": "00000000:19:00.0", "remap": (0, 0, 0, 0), "links": [1] * 18},
-        {"busId": "00000000:3B:00.0", "recovery": 1},
-        {"busId": "00000000:4C:00.0", "remap": (0, 4, 1, 0)},
-        {"busId": "00000000:5D:00.0", "remap": (0, 4, 0, 1)},
-        {"busId": "00000000:9B:00.0", "links": [1, 1, 0, 1]},
-        {"busId": "00000000:BB:00.0", "handle_error": 15},
-    ])
+    m = fake_nvml(
+        [
+            {"busId": "00000000:19:00.0", "remap": (0, 0, 0, 0), "links": [1] * 18},
+            {"busId": "00000000:3B:00.0", "recovery": 1},
+            {"busId": "00000000:4C:00.0", "remap": (0, 4, 1, 0)},
+            {"busId": "00000000:5D:00.0", "remap": (0, 4, 0, 1)},
+            {"busId": "00000000:9B:00.0", "links": [1, 1, 0, 1]},
+            {"busId": "00000000:BB:00.0", "handle_error": 15},
+        ]
+    )
     f, snap = NvmlProbe("auto", nvml=m).probe()
     kinds = {(x.kind, x.gpu.nvml if x.gpu else None, x.severity.value) for x in f}
     assert kinds == {
@@ -160,8 +163,9 @@ def test_nvml_library_missing_is_skipped_in_auto_and_unchecked_when_required():
 
 
 def test_nvml_call_under_a_deadline():
-    p = NvmlProbe("auto", deadline_s=0.3, nvml=fake_nvml([{"busId": "00000000:19:00.0"}],
-                                                            hang="nvmlDeviceGetRemappedRows"))
+    p = NvmlProbe(
+        "auto", deadline_s=0.3, nvml=fake_nvml([{"busId": "00000000:19:00.0"}], hang="nvmlDeviceGetRemappedRows")
+    )
     t0 = time.monotonic()
     f, _ = p.probe()
     assert time.monotonic() - t0 < 2
@@ -181,8 +185,11 @@ def test_real_pynvml_without_a_driver_is_skipped():
 
 def test_kmsg_file_reads_all_then_follows_and_drops_user_records(tmp_path):
     p = tmp_path / "kmsg"
-    p.write_text(format_record("NVRM: Xid (PCI:0000:3b:00): 79, x", 1) + " SUBSYSTEM=pci\n DEVICE=+pci:0\n"
-                 + format_record("NVRM: Xid (PCI:0000:3b:00): 79, forged", 2, facility=1))
+    p.write_text(
+        format_record("NVRM: Xid (PCI:0000:3b:00): 79, x", 1)
+        + " SUBSYSTEM=pci\n DEVICE=+pci:0\n"
+        + format_record("NVRM: Xid (PCI:0000:3b:00): 79, forged", 2, facility=1)
+    )
     src = KmsgSource(str(p))
     recs, lost = src.read_available()
     assert [r.text for r in recs] == ["NVRM: Xid (PCI:0000:3b:00): 79, x"] and lost == 0

@@ -11,15 +11,30 @@ from agent.probes.nvidia_smi import parse_smi_table, smi_findings
 from agent.xid import KernelLogParser
 
 texty = st.text(alphabet=st.characters(), max_size=2000)
-tabley = st.lists(st.sampled_from([
-    "|   0  NVIDIA H100 80GB HBM3          On  |   00000000:19:00.0 Off |                    0 |",
-    "| N/A   27C    P0             72W /  700W |       1MiB /  81559MiB |      0%      Default |",
-    "|                                         |                        |             Disabled |",
-    "+-----------------------------------------+------------------------+----------------------+",
-    "| MIG devices:", "|  0    2   0   0  |", "ERR!", "|ERR! ERR! | ERR! |", "Processes:", "|", "||||", "",
-    "Unable to determine the device handle for GPU0000:91:00.0: Unknown Error", "No devices were found",
-    "WARNING: infoROM is corrupted at gpu 0000:0B:00.0", "| NVIDIA-SMI 610  KMD Version: 610.57.04 |",
-]) | texty, max_size=60).map("\n".join)
+tabley = st.lists(
+    st.sampled_from(
+        [
+            "|   0  NVIDIA H100 80GB HBM3          On  |   00000000:19:00.0 Off |                    0 |",
+            "| N/A   27C    P0             72W /  700W |       1MiB /  81559MiB |      0%      Default |",
+            "|                                         |                        |             Disabled |",
+            "+-----------------------------------------+------------------------+----------------------+",
+            "| MIG devices:",
+            "|  0    2   0   0  |",
+            "ERR!",
+            "|ERR! ERR! | ERR! |",
+            "Processes:",
+            "|",
+            "||||",
+            "",
+            "Unable to determine the device handle for GPU0000:91:00.0: Unknown Error",
+            "No devices were found",
+            "WARNING: infoROM is corrupted at gpu 0000:0B:00.0",
+            "| NVIDIA-SMI 610  KMD Version: 610.57.04 |",
+        ]
+    )
+    | texty,
+    max_size=60,
+).map("\n".join)
 
 
 @settings(max_examples=300, deadline=None)
@@ -36,12 +51,24 @@ def test_smi_parser_never_raises_on_bytes(data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(texty | st.sampled_from([
-    "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.", "NVRM: Xid (PCI:zz): x",
-    "NVRM: Xid (PCI:0000:01:00 GPU-I:05): 94, pid=1", "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal",
-    "NVRM: The NVIDIA GPU 0000:b3:00.0", "fallen off the bus and is not responding", "NVRM: GPU 0:0: GPU has",
-    "NVRM: Xid (PCI:0008:01:00): 154, GPU recovery action changed from 0x0 (None) to 0xZZ",
-]), max_size=30))
+@given(
+    st.lists(
+        texty
+        | st.sampled_from(
+            [
+                "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.",
+                "NVRM: Xid (PCI:zz): x",
+                "NVRM: Xid (PCI:0000:01:00 GPU-I:05): 94, pid=1",
+                "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal",
+                "NVRM: The NVIDIA GPU 0000:b3:00.0",
+                "fallen off the bus and is not responding",
+                "NVRM: GPU 0:0: GPU has",
+                "NVRM: Xid (PCI:0008:01:00): 154, GPU recovery action changed from 0x0 (None) to 0xZZ",
+            ]
+        ),
+        max_size=30,
+    )
+)
 def test_kernel_log_parser_never_raises(lines):
     p = KernelLogParser()
     for line in lines:

@@ -8,40 +8,98 @@ from agent.model import Reason, Severity
 from agent.probes.nvidia_smi import parse_smi_table, smi_findings
 from tests.conftest import FIXTURES, fixture_path
 
-H100X8 = ["00000000:19:00.0", "00000000:3B:00.0", "00000000:4C:00.0", "00000000:5D:00.0",
-          "00000000:9B:00.0", "00000000:BB:00.0", "00000000:CB:00.0", "00000000:DB:00.0"]
-MIG_H100X8 = ["00000000:1B:00.0", "00000000:43:00.0", "00000000:52:00.0", "00000000:61:00.0",
-              "00000000:9D:00.0", "00000000:C3:00.0", "00000000:D1:00.0", "00000000:DF:00.0"]
-GTX1080X8 = ["00000000:04:00.0", "00000000:05:00.0", "00000000:08:00.0", "00000000:09:00.0",
-             "00000000:84:00.0", "00000000:85:00.0", "00000000:88:00.0", "00000000:89:00.0"]
+H100X8 = [
+    "00000000:19:00.0",
+    "00000000:3B:00.0",
+    "00000000:4C:00.0",
+    "00000000:5D:00.0",
+    "00000000:9B:00.0",
+    "00000000:BB:00.0",
+    "00000000:CB:00.0",
+    "00000000:DB:00.0",
+]
+MIG_H100X8 = [
+    "00000000:1B:00.0",
+    "00000000:43:00.0",
+    "00000000:52:00.0",
+    "00000000:61:00.0",
+    "00000000:9D:00.0",
+    "00000000:C3:00.0",
+    "00000000:D1:00.0",
+    "00000000:DF:00.0",
+]
+GTX1080X8 = [
+    "00000000:04:00.0",
+    "00000000:05:00.0",
+    "00000000:08:00.0",
+    "00000000:09:00.0",
+    "00000000:84:00.0",
+    "00000000:85:00.0",
+    "00000000:88:00.0",
+    "00000000:89:00.0",
+]
 
 # file -> (bus ids, {gpu index: ERR! fields}, driver version, MIG devices, MIG mode of GPU 0)
 TABLES = {
-    "smi-table-ERR-fan-geforce-525.125.06-gpud-fixture.txt":
-        (["00000000:01:00.0"], {0: ["Fan"]}, "525.125.06", 0, "N/A"),
+    "smi-table-ERR-fan-geforce-525.125.06-gpud-fixture.txt": (
+        ["00000000:01:00.0"],
+        {0: ["Fan"]},
+        "525.125.06",
+        0,
+        "N/A",
+    ),
     "smi-table-healthy-h100x8-550.90.07-gpud-fixture.txt": (H100X8, {}, "550.90.07", 0, "Disabled"),
     "smi-table-healthy-gtx1080tix8-390.25-nvidia-htop-fixture.txt": (GTX1080X8, {}, "390.25", 0, None),
-    "smi-table-healthy-rtx2070-gtx750ti-450.57-nvidia-htop-fixture.txt":
-        (["00000000:01:00.0", "00000000:04:00.0"], {}, "450.57", 0, "N/A"),
+    "smi-table-healthy-rtx2070-gtx750ti-450.57-nvidia-htop-fixture.txt": (
+        ["00000000:01:00.0", "00000000:04:00.0"],
+        {},
+        "450.57",
+        0,
+        "N/A",
+    ),
     "smi-table-healthy-gridk520-346.46-nvidia-htop-fixture.txt": (["00000000:00:03.0"], {}, "346.46", 0, None),
-    "smi-table-healthy-gtx1080tix2-440.82-docker-nvidia-htop-fixture.txt":
-        (["00000000:01:00.0", "00000000:02:00.0"], {}, "440.82", 0, None),
+    "smi-table-healthy-gtx1080tix2-440.82-docker-nvidia-htop-fixture.txt": (
+        ["00000000:01:00.0", "00000000:02:00.0"],
+        {},
+        "440.82",
+        0,
+        None,
+    ),
     "smi-table-healthy-t4-450.51.06-cloud-native-docs.txt": (["00000000:00:1E.0"], {}, "450.51.06", 0, "N/A"),
     "smi-table-healthy-t4-510.47.03-oc-exec-cloud-native-docs.txt": (["00000000:00:1E.0"], {}, "510.47.03", 0, "N/A"),
-    "smi-table-infoROM-corrupted-p100-470.82.01-cloud-native-docs.txt":
-        (["00000000:0B:00.0"], {}, "470.82.01", 0, "N/A"),
-    "smi-table-MIG-empty-a100-40gb-450.80.02-cloud-native-docs.txt":
-        (["00000000:00:04.0"], {}, "450.80.02", 0, "Enabled"),
+    "smi-table-infoROM-corrupted-p100-470.82.01-cloud-native-docs.txt": (
+        ["00000000:0B:00.0"],
+        {},
+        "470.82.01",
+        0,
+        "N/A",
+    ),
+    "smi-table-MIG-empty-a100-40gb-450.80.02-cloud-native-docs.txt": (
+        ["00000000:00:04.0"],
+        {},
+        "450.80.02",
+        0,
+        "Enabled",
+    ),
     "smi-table-MIG-h100x8-32devices-535.104.12-cloud-native-docs.txt": (MIG_H100X8, {}, "535.104.12", 32, "Enabled"),
     "smi-table-MIG-h200-590.48.01-load-nvgpuexp-capture.txt": (["00000000:83:00.0"], {}, "590.48.01", 5, "Enabled"),
     "smi-table-MIG-h100-590.48.01-idle-nvgpuexp-capture.txt": (["00000000:00:09.0"], {}, "590.48.01", 4, "Enabled"),
     "smi-table-healthy-h100-590.48.01-nvgpuexp-capture.txt": (["00000000:00:09.0"], {}, "590.48.01", 0, "Disabled"),
     "smi-table-healthy-l40s-595.80-nvgpuexp-capture.txt": (["00000000:01:00.0"], {}, "595.80", 0, "N/A"),
-    "smi-table-healthy-rtx2080super-610.57.04-kmd-header-nvgpuexp-capture.txt":
-        (["00000000:0C:00.0"], {}, "610.57.04", 0, "N/A"),
-    "smi-table-ERR-many-fields-525-gpu-operator-559.txt":
-        (["00000000:19:00.0"], {0: ["Name", "Volatile Uncorr. ECC", "Fan", "Temp", "Perf", "Pwr:Usage", "Pwr:Cap",
-                                    "GPU-Util", "MIG M."]}, None, 0, "ERR!"),
+    "smi-table-healthy-rtx2080super-610.57.04-kmd-header-nvgpuexp-capture.txt": (
+        ["00000000:0C:00.0"],
+        {},
+        "610.57.04",
+        0,
+        "N/A",
+    ),
+    "smi-table-ERR-many-fields-525-gpu-operator-559.txt": (
+        ["00000000:19:00.0"],
+        {0: ["Name", "Volatile Uncorr. ECC", "Fan", "Temp", "Perf", "Pwr:Usage", "Pwr:Cap", "GPU-Util", "MIG M."]},
+        None,
+        0,
+        "ERR!",
+    ),
     "smi-table-ERR-fan-wide-550-nvgpuexp-393.txt": (["00000000:CC:00.0"], {14: ["Fan"]}, None, 0, None),
 }
 
@@ -87,14 +145,22 @@ def test_infoROM_warning_and_exit_code_14():
     assert kinds == {"inforom_corrupted", "exit_code_14"}
 
 
-@pytest.mark.parametrize(("name", "rc", "kinds", "gpu"), [
-    ("smi-handle-unknown-error-01-congphase-my-t450s.txt", 15, {"device_handle", "exit_code_15"}, "00000000:01:00.0"),
-    ("smi-handle-nospace-gpud-sxid-readme.txt", 15, {"device_handle", "exit_code_15"}, "00000000:91:00.0"),
-    ("smi-handle-unknown-error-ogkm-387.txt", 255, {"device_handle", "exit_code_255"}, "00000000:0B:00.0"),
-    ("smi-driver-unreachable-nvidia-docker-988.txt", 9, {"driver_unreachable", "exit_code_9"}, None),
-    ("smi-version-mismatch-shine-cluster-30.txt", 18, {"driver_library_mismatch", "exit_code_18"}, None),
-    ("smi-no-devices-ogkm-862.txt", 6, {"no_devices", "exit_code_6"}, None),
-])
+@pytest.mark.parametrize(
+    ("name", "rc", "kinds", "gpu"),
+    [
+        (
+            "smi-handle-unknown-error-01-congphase-my-t450s.txt",
+            15,
+            {"device_handle", "exit_code_15"},
+            "00000000:01:00.0",
+        ),
+        ("smi-handle-nospace-gpud-sxid-readme.txt", 15, {"device_handle", "exit_code_15"}, "00000000:91:00.0"),
+        ("smi-handle-unknown-error-ogkm-387.txt", 255, {"device_handle", "exit_code_255"}, "00000000:0B:00.0"),
+        ("smi-driver-unreachable-nvidia-docker-988.txt", 9, {"driver_unreachable", "exit_code_9"}, None),
+        ("smi-version-mismatch-shine-cluster-30.txt", 18, {"driver_library_mismatch", "exit_code_18"}, None),
+        ("smi-no-devices-ogkm-862.txt", 6, {"no_devices", "exit_code_6"}, None),
+    ],
+)
 def test_whole_run_failures(name, rc, kinds, gpu):
     text = fixture_path(name).read_text()
     t = parse_smi_table(text)

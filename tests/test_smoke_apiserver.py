@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent.kube import ApiError
-from agent.testing.cluster import condition, now_rfc3339
+from testkit.cluster import condition, now_rfc3339
 
 pytestmark = pytest.mark.apiserver
 
@@ -19,9 +19,23 @@ def test_status_patch_keeps_kubelet_condition_and_node_patch_is_forbidden(admin,
     node = make_node(capacity={"nvidia.com/gpu": "8"})
     sa, _ = sa_client(rules=RULES)
     t = now_rfc3339()
-    sa.patch_node_status(node, {"status": {"conditions": [{
-        "type": "GPUReady", "status": "True", "reason": "GPUsHealthy", "message": "8 GPUs healthy",
-        "lastHeartbeatTime": t, "lastTransitionTime": t}]}})
+    sa.patch_node_status(
+        node,
+        {
+            "status": {
+                "conditions": [
+                    {
+                        "type": "GPUReady",
+                        "status": "True",
+                        "reason": "GPUsHealthy",
+                        "message": "8 GPUs healthy",
+                        "lastHeartbeatTime": t,
+                        "lastTransitionTime": t,
+                    }
+                ]
+            }
+        },
+    )
     got = admin.get_node(node)
     assert condition(got, "Ready")["reason"] == "KubeletReady"
     assert condition(got, "GPUReady")["status"] == "True"

@@ -25,9 +25,12 @@ GPUS = {A0: GpuIdentity(A0, 0, "H100"), A1: GpuIdentity(A1, 1, "H100")}
 
 
 def obs(findings=(), counts=None, expected=None, gpus=None):
-    return Observation(list(findings), dict(GPUS if gpus is None else gpus),
-                       counts or Counts(pci=2, nvidia_smi=2, plugin_capacity=2, plugin_allocatable=2,
-                                        plugin_physical=2), expected)
+    return Observation(
+        list(findings),
+        dict(GPUS if gpus is None else gpus),
+        counts or Counts(pci=2, nvidia_smi=2, plugin_capacity=2, plugin_allocatable=2, plugin_physical=2),
+        expected,
+    )
 
 
 def latched(xid=79, gpu=A1, source="xid"):
@@ -62,11 +65,14 @@ def test_err_field():
     assert v.reason is Reason.NVIDIA_SMI_ERR and "GPU 0 (00000000:19:00.0): ERR! in Fan" in v.message
 
 
-@pytest.mark.parametrize(("counts", "expected", "text"), [
-    (Counts(pci=2, nvidia_smi=1), None, "PCI shows 2 GPUs, nvidia-smi 1"),
-    (Counts(pci=2, nvidia_smi=2, plugin_physical=1), None, "the device plugin serves 1"),
-    (Counts(pci=2, nvidia_smi=2), 4, "expected 4 GPUs, found 2"),
-])
+@pytest.mark.parametrize(
+    ("counts", "expected", "text"),
+    [
+        (Counts(pci=2, nvidia_smi=1), None, "PCI shows 2 GPUs, nvidia-smi 1"),
+        (Counts(pci=2, nvidia_smi=2, plugin_physical=1), None, "the device plugin serves 1"),
+        (Counts(pci=2, nvidia_smi=2), 4, "expected 4 GPUs, found 2"),
+    ],
+)
 def test_count_mismatch(counts, expected, text):
     v = decide(obs(counts=counts, expected=expected))
     assert v.reason is Reason.GPU_COUNT_MISMATCH and text in v.message
@@ -88,8 +94,14 @@ def test_could_not_check_is_unknown_never_true():
 
 
 def test_fault_beats_unknown_and_message_mentions_both():
-    v = decide(obs([Finding.unchecked(Check.NVML, "NVML init failed"),
-                    Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, "ERR! in Temp", A0)]))
+    v = decide(
+        obs(
+            [
+                Finding.unchecked(Check.NVML, "NVML init failed"),
+                Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, "ERR! in Temp", A0),
+            ]
+        )
+    )
     assert v.status is Status.FALSE and "could not check: NVML init failed" in v.message
 
 
@@ -108,8 +120,7 @@ def test_reason_order(first, second):
     f1, l1, k1 = _fault_for(first)
     f2, l2, k2 = _fault_for(second)
     kw = {**k1, **k2}
-    v = decide(obs(f2 + f1, kw.get("counts")), l1 + l2, preflight_required=kw.get("pre", False),
-               preflight_passed=False)
+    v = decide(obs(f2 + f1, kw.get("counts")), l1 + l2, preflight_required=kw.get("pre", False), preflight_passed=False)
     assert v.reason is first, f"{first} must win over {second}"
     assert v.message.index(first.value) < v.message.index(second.value)
     assert v.reasons[:2] == (first, second)
@@ -117,13 +128,21 @@ def test_reason_order(first, second):
 
 def test_documented_order_is_exact():
     assert [r.value for r in FAULT_REASONS][:7] == [
-        "FatalXid", "NvidiaSmiFailed", "NvmlHealth", "NvidiaSmiErr", "GPUCountMismatch", "DevicePluginUnhealthy",
-        "PreflightNotPassed"]
+        "FatalXid",
+        "NvidiaSmiFailed",
+        "NvmlHealth",
+        "NvidiaSmiErr",
+        "GPUCountMismatch",
+        "DevicePluginUnhealthy",
+        "PreflightNotPassed",
+    ]
 
 
 def test_message_stays_under_one_kib():
-    many = [Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, "ERR! in " + "x" * 80, PciAddress(0, b, 0))
-            for b in range(64)]
+    many = [
+        Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, "ERR! in " + "x" * 80, PciAddress(0, b, 0))
+        for b in range(64)
+    ]
     v = decide(obs(many, gpus={}))
     assert len(v.message.encode()) < 1024 and v.message.endswith("more)")
 

@@ -28,33 +28,54 @@ def parse_whole(name):
 EXPECTED = {
     "xid-lines-119-gsp-timeout-dmesg-gpud-fixture.txt": {("xid", 119, "0000:9b:00", True): 5},
     "xid-lines-13-31-109-dmesg-ctime-gpud-readme.txt": {
-        ("xid", 13, "0000:cb:00", False): 3, ("xid", 31, "0000:cb:00", False): 1,
-        ("xid", 109, "0000:cb:00", True): 2},
+        ("xid", 13, "0000:cb:00", False): 3,
+        ("xid", 31, "0000:cb:00", False): 1,
+        ("xid", 109, "0000:cb:00", True): 2,
+    },
     "xid-lines-13-43-dmesg-decode-iso-gpud-fixture.txt": {
-        ("xid", 13, "0000:38:00", False): 15, ("xid", 43, "0000:38:00", False): 1},
+        ("xid", 13, "0000:38:00", False): 15,
+        ("xid", 43, "0000:38:00", False): 1,
+    },
     "xid-lines-149-154-dmesg-gb200-gpud-kmsg-test.txt": {
-        ("xid", 149, "0009:01:00", True): 3, ("xid", 149, "0008:01:00", True): 2,
-        ("xid", 154, "0009:01:00", True): 1, ("xid", 154, "0019:01:00", True): 1,
-        ("xid", 154, "0018:01:00", True): 1, ("xid", 154, "0008:01:00", True): 1},
+        ("xid", 149, "0009:01:00", True): 3,
+        ("xid", 149, "0008:01:00", True): 2,
+        ("xid", 154, "0009:01:00", True): 1,
+        ("xid", 154, "0019:01:00", True): 1,
+        ("xid", 154, "0018:01:00", True): 1,
+        ("xid", 154, "0008:01:00", True): 1,
+    },
     "xid-lines-48-63-94-dmesg-iso-gpud-fixture.txt": {
-        ("xid", 48, "0000:19:00", True): 1, ("xid", 63, "0000:19:00", False): 1, ("xid", 94, "0000:19:00", False): 9},
+        ("xid", 48, "0000:19:00", True): 1,
+        ("xid", 63, "0000:19:00", False): 1,
+        ("xid", 94, "0000:19:00", False): 9,
+    },
     "xid-lines-63-syslog-nots-mlengineering.txt": {("xid", 63, "0000:10:1c", False): 1},
     "xid-lines-79-dmesg-nots-cloud-native-docs.txt": {("xid", 79, "0000:ca:00", True): 1},
     "xid-lines-79-sxid-20034-dmesg-gpud-readme.txt": {
-        ("xid", 79, "0000:91:00", True): 1, ("fallen_off_bus", 79, "0000:91:00.0", True): 1,
-        ("sxid", 20034, "0000:06:00.0", True): 1, ("sxid", 20034, "0000:05:00.0", True): 2,
-        ("sxid", 20034, "0000:07:00.0", True): 1},
+        ("xid", 79, "0000:91:00", True): 1,
+        ("fallen_off_bus", 79, "0000:91:00.0", True): 1,
+        ("sxid", 20034, "0000:06:00.0", True): 1,
+        ("sxid", 20034, "0000:05:00.0", True): 2,
+        ("sxid", 20034, "0000:07:00.0", True): 1,
+    },
     "xid-lines-79-syslog-congphase-my-t450s.txt": {
-        ("xid", 79, "0000:01:00", True): 1, ("fallen_off_bus", 79, "0000:01:00.0", True): 1},
+        ("xid", 79, "0000:01:00", True): 1,
+        ("fallen_off_bus", 79, "0000:01:00.0", True): 1,
+    },
     "xid-lines-94-95-format-examples-nvidia-driver-source.txt": {
-        ("xid", 94, "0000:01:00", False): 2, ("xid", 95, "0000:01:00", True): 1},
+        ("xid", 94, "0000:01:00", False): 2,
+        ("xid", 95, "0000:01:00", True): 1,
+    },
     "nvrm-lines-nvlink-postRxDet-h100-dmesg-gpud-test.txt": {},
     "nvrm-dmesg-full-boot-h100-nvswitch-healthy-decode-iso-gpud-fixture.txt": {},
     "xid-154-reset-required-nvsentinel.txt": {("xid", 154, "0008:01:00", True): 1},
     "xid-shapes-reference.txt": {
-        ("xid", 14, "0000:03:00", True): 1, ("xid", 32, "0000:01:00", False): 1,
-        ("xid", 109, "0000:02:00", True): 1, ("xid", 145, "0018:01:00", False): 1,
-        ("xid", 45, "0000:dc:00", False): 1},
+        ("xid", 14, "0000:03:00", True): 1,
+        ("xid", 32, "0000:01:00", False): 1,
+        ("xid", 109, "0000:02:00", True): 1,
+        ("xid", 145, "0018:01:00", False): 1,
+        ("xid", 45, "0000:dc:00", False): 1,
+    },
 }
 
 
@@ -79,7 +100,8 @@ def test_fallen_off_bus_without_xid_one_record_and_separate_records():
     sep = parse_file("kmsg-fallen-off-bus-no-xid-nvsentinel.txt")
     for evs in (one, sep):
         assert [(e.source, e.xid, e.address, e.fatal) for e in evs] == [
-            ("fallen_off_bus", 79, PciAddress(0, 0xB3, 0), True)]
+            ("fallen_off_bus", 79, PciAddress(0, 0xB3, 0), True)
+        ]
 
 
 def test_ignore_and_fatal_lists_override_the_catalog():
@@ -90,17 +112,21 @@ def test_ignore_and_fatal_lists_override_the_catalog():
 
 def test_xid_154_is_judged_by_the_action_code():
     p = KernelLogParser()
-    none = p.feed("NVRM: Xid (PCI:0008:01:00): 154, GPU recovery action changed from 0x1 (GPU Reset Required) "
-                  "to 0x0 (None)")
-    reboot = p.feed("NVRM: Xid (PCI:0008:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 "
-                    "(Node Reboot Required)")
+    none = p.feed(
+        "NVRM: Xid (PCI:0008:01:00): 154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)"
+    )
+    reboot = p.feed(
+        "NVRM: Xid (PCI:0008:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)"
+    )
     assert [e.fatal for e in none] == [False] and [e.fatal for e in reboot] == [True]
 
 
 def test_sxid_nonfatal_and_continuation_records():
     p = KernelLogParser()
-    assert [e.fatal for e in p.feed("nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20009, Non-fatal, Link 04 RX "
-                                    "Short Error Rate")] == [False]
+    assert [
+        e.fatal
+        for e in p.feed("nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20009, Non-fatal, Link 04 RX Short Error Rate")
+    ] == [False]
     assert p.feed("nvidia-nvswitch2: SXid (PCI:0000:07:00.0): 20034, Severity 1 Engine instance 60") == []
 
 
@@ -124,6 +150,7 @@ def test_conflicting_lists_are_rejected():
 
 def test_docs_table_matches_the_catalog():
     from pathlib import Path
+
     doc = (Path(__file__).parents[1] / "docs" / "xid-policy.md").read_text()
     for e in load_catalog().values():
         assert f"| {e.xid} | {e.name} | {e.action} | {'yes' if e.fatal else 'no'} |" in doc, e.xid

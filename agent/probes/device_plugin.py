@@ -54,12 +54,12 @@ def _quantity(v: Any) -> int:
 
 
 def _gpu_resources(d: dict[str, Any] | None) -> dict[str, int]:
-    return {k: _quantity(v) for k, v in (d or {}).items()
-            if k in (GPU, GPU_SHARED) or k.startswith(MIG_PREFIX)}
+    return {k: _quantity(v) for k, v in (d or {}).items() if k in (GPU, GPU_SHARED) or k.startswith(MIG_PREFIX)}
 
 
-def plugin_counts(node: dict[str, Any], mig: MigLayout | None, strategy: str = "auto",
-                  replicas: int | None = None) -> PluginCounts:
+def plugin_counts(
+    node: dict[str, Any], mig: MigLayout | None, strategy: str = "auto", replicas: int | None = None
+) -> PluginCounts:
     status = node.get("status") or {}
     labels = (node.get("metadata") or {}).get("labels") or {}
     cap = _gpu_resources(status.get("capacity"))
@@ -100,23 +100,48 @@ def plugin_counts(node: dict[str, Any], mig: MigLayout | None, strategy: str = "
 def plugin_findings(pc: PluginCounts, grace_over: bool, grace_left_s: float) -> list[Finding]:
     out: list[Finding] = []
     if not pc.capacity or pc.total_capacity == 0:
-        msg = ("device plugin advertises no nvidia.com/gpu or nvidia.com/mig-* resources"
-               if not pc.capacity else "device plugin resources have capacity 0 (plugin gone for over 5 min)")
+        msg = (
+            "device plugin advertises no nvidia.com/gpu or nvidia.com/mig-* resources"
+            if not pc.capacity
+            else "device plugin resources have capacity 0 (plugin gone for over 5 min)"
+        )
         if grace_over:
-            out.append(Finding.fault(Check.DEVICE_PLUGIN, Reason.DEVICE_PLUGIN_UNHEALTHY,
-                                     msg + ": the plugin is not serving", kind="not_serving"))
+            out.append(
+                Finding.fault(
+                    Check.DEVICE_PLUGIN,
+                    Reason.DEVICE_PLUGIN_UNHEALTHY,
+                    msg + ": the plugin is not serving",
+                    kind="not_serving",
+                )
+            )
         else:
-            out.append(Finding.unchecked(Check.DEVICE_PLUGIN,
-                                         f"{msg}; waiting {grace_left_s:.0f}s more for the plugin to register",
-                                         kind="grace"))
+            out.append(
+                Finding.unchecked(
+                    Check.DEVICE_PLUGIN,
+                    f"{msg}; waiting {grace_left_s:.0f}s more for the plugin to register",
+                    kind="grace",
+                )
+            )
         return out
-    unhealthy = {r: pc.capacity[r] - pc.allocatable.get(r, 0) for r in pc.capacity
-                 if pc.capacity[r] - pc.allocatable.get(r, 0) > 0}
+    unhealthy = {
+        r: pc.capacity[r] - pc.allocatable.get(r, 0)
+        for r in pc.capacity
+        if pc.capacity[r] - pc.allocatable.get(r, 0) > 0
+    }
     if unhealthy:
         detail = ", ".join(f"{r} {n} of {pc.capacity[r]}" for r, n in sorted(unhealthy.items()))
-        out.append(Finding.fault(Check.DEVICE_PLUGIN, Reason.DEVICE_PLUGIN_UNHEALTHY,
-                                 f"device plugin marked devices unhealthy: {detail}", kind="unhealthy_devices"))
+        out.append(
+            Finding.fault(
+                Check.DEVICE_PLUGIN,
+                Reason.DEVICE_PLUGIN_UNHEALTHY,
+                f"device plugin marked devices unhealthy: {detail}",
+                kind="unhealthy_devices",
+            )
+        )
     if pc.physical is None:
-        out.append(Finding.info(Check.DEVICE_PLUGIN,
-                                f"physical GPUs behind the plugin unknown: {pc.physical_note}", kind="layout"))
+        out.append(
+            Finding.info(
+                Check.DEVICE_PLUGIN, f"physical GPUs behind the plugin unknown: {pc.physical_note}", kind="layout"
+            )
+        )
     return out

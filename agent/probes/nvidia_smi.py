@@ -32,10 +32,18 @@ WHOLE_RUN_MESSAGES: tuple[tuple[str, str], ...] = (
     ("Failed to initialize NVML", "nvml_init_failed"),
 )
 EXIT_CODE_MEANING = {
-    2: "invalid argument", 3: "operation not available", 4: "no permission", 6: "query unsuccessful",
-    8: "external power cables not attached", 9: "driver not loaded", 10: "interrupt issue",
-    12: "NVML library not found", 13: "NVML function not implemented", 14: "infoROM corrupted",
-    15: "GPU fell off the bus or became inaccessible", 255: "internal driver error",
+    2: "invalid argument",
+    3: "operation not available",
+    4: "no permission",
+    6: "query unsuccessful",
+    8: "external power cables not attached",
+    9: "driver not loaded",
+    10: "interrupt issue",
+    12: "NVML library not found",
+    13: "NVML function not implemented",
+    14: "infoROM corrupted",
+    15: "GPU fell off the bus or became inaccessible",
+    255: "internal driver error",
 }
 # Field names by cell and token position in the GPU block (same in every layout).
 LINE2_CELL1 = ("Fan", "Temp", "Perf", "Pwr:Usage", "Pwr:Cap")
@@ -117,7 +125,7 @@ def parse_smi_table(text: str) -> SmiTable:
         idx = text.find(needle)
         if idx >= 0 and not any(k == "driver_library_mismatch" for k, _ in table.whole_run):
             end = text.find("\n", idx)
-            table.whole_run.append((kind, text[idx: end if end >= 0 else None].strip()))
+            table.whole_run.append((kind, text[idx : end if end >= 0 else None].strip()))
     if any(k == "driver_library_mismatch" for k, _ in table.whole_run):
         table.whole_run = [w for w in table.whole_run if w[0] != "nvml_init_failed"]
 
@@ -143,8 +151,7 @@ def parse_smi_table(text: str) -> SmiTable:
                 addr = PciAddress.parse(m["bus"])
                 if addr is None:
                     continue
-                current = SmiGpu(int(m["index"]), name, addr,
-                                 _err_fields_line1(rest, m["disp"], m["c3"]))
+                current = SmiGpu(int(m["index"]), name, addr, _err_fields_line1(rest, m["disp"], m["c3"]))
                 table.gpus.append(current)
                 by_index[current.index] = current
                 line_in_block = 1
@@ -179,25 +186,55 @@ def smi_findings(table: SmiTable, exit_code: int, raw: str) -> list[Finding]:
     for kind, line in table.whole_run:
         out.append(f(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_FAILED, f"nvidia-smi: {line}", kind=kind))
     for addr, err in table.handle_errors:
-        out.append(f(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_FAILED,
-                     f"nvidia-smi cannot get a handle for GPU {addr}: {err}", PciAddress.parse(addr),
-                     kind="device_handle"))
+        out.append(
+            f(
+                Check.NVIDIA_SMI,
+                Reason.NVIDIA_SMI_FAILED,
+                f"nvidia-smi cannot get a handle for GPU {addr}: {err}",
+                PciAddress.parse(addr),
+                kind="device_handle",
+            )
+        )
     for addr in table.inforom_corrupted:
-        out.append(f(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_FAILED, f"infoROM is corrupted on GPU {addr}",
-                     PciAddress.parse(addr), kind="inforom_corrupted"))
+        out.append(
+            f(
+                Check.NVIDIA_SMI,
+                Reason.NVIDIA_SMI_FAILED,
+                f"infoROM is corrupted on GPU {addr}",
+                PciAddress.parse(addr),
+                kind="inforom_corrupted",
+            )
+        )
     if exit_code != 0:
         meaning = EXIT_CODE_MEANING.get(exit_code, "failed")
-        out.append(f(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_FAILED,
-                     f"nvidia-smi exited with code {exit_code} ({meaning})", kind=f"exit_code_{exit_code}"))
+        out.append(
+            f(
+                Check.NVIDIA_SMI,
+                Reason.NVIDIA_SMI_FAILED,
+                f"nvidia-smi exited with code {exit_code} ({meaning})",
+                kind=f"exit_code_{exit_code}",
+            )
+        )
     for gpu in table.gpus:
         if gpu.err_fields:
-            out.append(f(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR,
-                         f"ERR! in {', '.join(dict.fromkeys(gpu.err_fields))}", gpu.address, kind="err_field"))
+            out.append(
+                f(
+                    Check.NVIDIA_SMI,
+                    Reason.NVIDIA_SMI_ERR,
+                    f"ERR! in {', '.join(dict.fromkeys(gpu.err_fields))}",
+                    gpu.address,
+                    kind="err_field",
+                )
+            )
     if exit_code == 0 and not out and not table.gpus:
         snippet = " ".join(raw.split())[:120]
-        out.append(Finding.unchecked(Check.NVIDIA_SMI,
-                                     f"nvidia-smi output could not be parsed (no GPU table): {snippet!r}",
-                                     kind="unparseable"))
+        out.append(
+            Finding.unchecked(
+                Check.NVIDIA_SMI,
+                f"nvidia-smi output could not be parsed (no GPU table): {snippet!r}",
+                kind="unparseable",
+            )
+        )
     return out
 
 
@@ -246,11 +283,21 @@ class NvidiaSmiRunner:
             start = time.monotonic()
             hung = self._still_hung()
             if hung is not None:
-                return SmiRun(None, "", 0.0, error=f"a previous nvidia-smi (pid {hung}) is still hung; "
-                              "not starting another", hung_pid=hung)
+                return SmiRun(
+                    None,
+                    "",
+                    0.0,
+                    error=f"a previous nvidia-smi (pid {hung}) is still hung; not starting another",
+                    hung_pid=hung,
+                )
             try:
-                proc = subprocess.Popen([self.path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                proc = subprocess.Popen(
+                    [self.path],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
             except FileNotFoundError:
                 return SmiRun(None, "", 0.0, error=f"nvidia-smi not found at {self.path!r}")
             except OSError as e:
@@ -268,8 +315,13 @@ class NvidiaSmiRunner:
                 except subprocess.TimeoutExpired:
                     self._abandoned = proc  # uninterruptible: leave it, remember it
                     out = b""
-                return SmiRun(None, out.decode("utf-8", "replace"), time.monotonic() - start,
-                              timed_out=True, hung_pid=proc.pid if self._abandoned is proc else None)
+                return SmiRun(
+                    None,
+                    out.decode("utf-8", "replace"),
+                    time.monotonic() - start,
+                    timed_out=True,
+                    hung_pid=proc.pid if self._abandoned is proc else None,
+                )
             return SmiRun(proc.returncode, out.decode("utf-8", "replace"), time.monotonic() - start)
 
 
@@ -277,14 +329,22 @@ def probe_nvidia_smi(runner: NvidiaSmiRunner) -> tuple[list[Finding], SmiTable |
     run = runner.run()
     if run.error is not None:
         if run.hung_pid is not None:
-            return ([Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_FAILED, run.error, kind="hung")],
-                    None, run)
+            return ([Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_FAILED, run.error, kind="hung")], None, run)
         return [Finding.unchecked(Check.NVIDIA_SMI, run.error, kind="not_found")], None, run
     if run.timed_out:
         state = " and could not be killed (D state)" if run.hung_pid else ""
-        return ([Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_FAILED,
-                               f"nvidia-smi timed out after {runner.timeout_s:g}s{state}", kind="timeout")],
-                None, run)
+        return (
+            [
+                Finding.fault(
+                    Check.NVIDIA_SMI,
+                    Reason.NVIDIA_SMI_FAILED,
+                    f"nvidia-smi timed out after {runner.timeout_s:g}s{state}",
+                    kind="timeout",
+                )
+            ],
+            None,
+            run,
+        )
     assert run.exit_code is not None
     table = parse_smi_table(run.output)
     return smi_findings(table, run.exit_code, run.output), table, run

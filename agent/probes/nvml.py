@@ -15,8 +15,16 @@ from typing import Any
 from agent.model import Check, Finding, PciAddress, Reason
 
 FI_DEV_GET_GPU_RECOVERY_ACTION = 230
-RECOVERY_ACTIONS = {0: "None", 1: "GPU reset", 2: "node reboot", 3: "drain P2P", 4: "drain and reset",
-                    5: "recover IMEX domain", 6: "bus reset", 7: "system reboot"}
+RECOVERY_ACTIONS = {
+    0: "None",
+    1: "GPU reset",
+    2: "node reboot",
+    3: "drain P2P",
+    4: "drain and reset",
+    5: "recover IMEX domain",
+    6: "bus reset",
+    7: "system reboot",
+}
 HANDLE_FAULT_CODES = {15: "GPU is lost (fell off the bus)", 16: "GPU requires reset", 999: "unknown error"}
 
 
@@ -44,8 +52,9 @@ class NvmlSnapshot:
 class NvmlProbe:
     """mode: "auto" (use when the library loads, skip otherwise), "on" (required), "off"."""
 
-    def __init__(self, mode: str = "auto", deadline_s: float = 10.0, check_nvlink: bool = True,
-                 nvml: Any = None) -> None:
+    def __init__(
+        self, mode: str = "auto", deadline_s: float = 10.0, check_nvlink: bool = True, nvml: Any = None
+    ) -> None:
         self.mode = mode
         self.deadline_s = deadline_s
         self.check_nvlink = check_nvlink
@@ -72,8 +81,9 @@ class NvmlProbe:
             self._stuck = fut
             # The blocked worker cannot be killed; use a fresh pool for later calls once it returns.
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
-            raise NvmlTimeout(f"{getattr(fn, '__name__', 'NVML call')} did not return within "
-                              f"{self.deadline_s:g}s") from None
+            raise NvmlTimeout(
+                f"{getattr(fn, '__name__', 'NVML call')} did not return within {self.deadline_s:g}s"
+            ) from None
 
     def probe(self) -> tuple[list[Finding], NvmlSnapshot | None]:
         if self.mode == "off":
@@ -92,8 +102,9 @@ class NvmlProbe:
                 self._initialized = True
             except nv.NVMLError as e:
                 if self.mode == "auto" and getattr(e, "value", None) in (
-                        getattr(nv, "NVML_ERROR_LIBRARY_NOT_FOUND", 12),
-                        getattr(nv, "NVML_ERROR_DRIVER_NOT_LOADED", 9)):
+                    getattr(nv, "NVML_ERROR_LIBRARY_NOT_FOUND", 12),
+                    getattr(nv, "NVML_ERROR_DRIVER_NOT_LOADED", 9),
+                ):
                     return [Finding.info(Check.NVML, f"NVML not used: {e}", kind="skipped")], None
                 return [Finding.unchecked(Check.NVML, f"NVML init failed: {e}", kind="init_failed")], None
         snap = NvmlSnapshot()
@@ -114,8 +125,11 @@ class NvmlProbe:
         except nv.NVMLError as e:
             code = getattr(e, "value", None)
             what = HANDLE_FAULT_CODES.get(code or -1, str(e))
-            out.append(Finding.fault(Check.NVML, Reason.NVML_HEALTH, f"GPU index {i}: NVML handle error: {what}",
-                                     kind="handle"))
+            out.append(
+                Finding.fault(
+                    Check.NVML, Reason.NVML_HEALTH, f"GPU index {i}: NVML handle error: {what}", kind="handle"
+                )
+            )
             snap.gpus.append(NvmlGpu(i, None))
             return out
         addr = None
@@ -128,8 +142,11 @@ class NvmlProbe:
         except nv.NVMLError as e:
             code = getattr(e, "value", None)
             if code in HANDLE_FAULT_CODES:
-                out.append(Finding.fault(Check.NVML, Reason.NVML_HEALTH,
-                                         f"GPU index {i}: {HANDLE_FAULT_CODES[code]}", kind="handle"))
+                out.append(
+                    Finding.fault(
+                        Check.NVML, Reason.NVML_HEALTH, f"GPU index {i}: {HANDLE_FAULT_CODES[code]}", kind="handle"
+                    )
+                )
                 snap.gpus.append(gpu)
                 return out
         snap.gpus.append(gpu)
@@ -140,20 +157,35 @@ class NvmlProbe:
             if getattr(v, "nvmlReturn", 0) == 0:
                 action = int(getattr(v.value, "uiVal", v.value) if hasattr(v, "value") else 0)
                 if action != 0:
-                    out.append(Finding.fault(Check.NVML, Reason.NVML_HEALTH,
-                                             f"GPU recovery action: {RECOVERY_ACTIONS.get(action, action)}",
-                                             addr, kind="recovery_action"))
+                    out.append(
+                        Finding.fault(
+                            Check.NVML,
+                            Reason.NVML_HEALTH,
+                            f"GPU recovery action: {RECOVERY_ACTIONS.get(action, action)}",
+                            addr,
+                            kind="recovery_action",
+                        )
+                    )
         except nv.NVMLError as e:
             out += _lost_or_skip(nv, e, addr, "recovery action")
         # Row remapping (Ampere+; NOT_SUPPORTED with MIG or on older GPUs).
         try:
             _corr, _unc, pending, failure = self._call(nv.nvmlDeviceGetRemappedRows, h)
             if failure:
-                out.append(Finding.fault(Check.NVML, Reason.NVML_HEALTH, "row remapping failed", addr,
-                                         kind="row_remap_failure"))
+                out.append(
+                    Finding.fault(
+                        Check.NVML, Reason.NVML_HEALTH, "row remapping failed", addr, kind="row_remap_failure"
+                    )
+                )
             elif pending:
-                out.append(Finding.info(Check.NVML, "row remap pending (activates at the next GPU reset)", addr,
-                                        kind="row_remap_pending"))
+                out.append(
+                    Finding.info(
+                        Check.NVML,
+                        "row remap pending (activates at the next GPU reset)",
+                        addr,
+                        kind="row_remap_pending",
+                    )
+                )
         except nv.NVMLError as e:
             out += _lost_or_skip(nv, e, addr, "remapped rows")
         # MIG layout (for the device-plugin accounting).
@@ -183,17 +215,25 @@ class NvmlProbe:
             if state != getattr(nv, "NVML_FEATURE_ENABLED", 1):
                 gpu.nvlink_down.append(link)
         if gpu.nvlink_down:
-            return [Finding.fault(Check.NVML, Reason.NVML_HEALTH,
-                                  f"NVLink down: {len(gpu.nvlink_down)} of {gpu.nvlink_links} links "
-                                  f"({', '.join(map(str, gpu.nvlink_down))})", addr, kind="nvlink_down")]
+            return [
+                Finding.fault(
+                    Check.NVML,
+                    Reason.NVML_HEALTH,
+                    f"NVLink down: {len(gpu.nvlink_down)} of {gpu.nvlink_links} links "
+                    f"({', '.join(map(str, gpu.nvlink_down))})",
+                    addr,
+                    kind="nvlink_down",
+                )
+            ]
         return []
 
 
 def _lost_or_skip(nv: Any, e: Exception, addr: PciAddress | None, what: str) -> list[Finding]:
     code = getattr(e, "value", None)
     if code in HANDLE_FAULT_CODES:
-        return [Finding.fault(Check.NVML, Reason.NVML_HEALTH, f"{what}: {HANDLE_FAULT_CODES[code]}", addr,
-                              kind="handle")]
+        return [
+            Finding.fault(Check.NVML, Reason.NVML_HEALTH, f"{what}: {HANDLE_FAULT_CODES[code]}", addr, kind="handle")
+        ]
     return []  # NOT_SUPPORTED and friends: the feature is absent, not a fault
 
 

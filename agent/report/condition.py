@@ -34,8 +34,14 @@ def find_condition(node: dict[str, Any] | None, ctype: str = CONDITION_TYPE) -> 
 
 
 class ConditionReporter:
-    def __init__(self, api: KubeApi, node: str, heartbeat_s: float,
-                 wall: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        api: KubeApi,
+        node: str,
+        heartbeat_s: float,
+        wall: Callable[[], float] = time.time,
+        mono: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.api = api
         self.node = node
         self.heartbeat_s = heartbeat_s
@@ -62,8 +68,14 @@ class ConditionReporter:
         now = rfc3339(self.wall())
         changed = self.sent_status != v.status.value
         transition = now if changed or self.transition is None else self.transition
-        cond = {"type": CONDITION_TYPE, "status": v.status.value, "reason": v.reason.value,
-                "message": v.message, "lastHeartbeatTime": now, "lastTransitionTime": transition}
+        cond = {
+            "type": CONDITION_TYPE,
+            "status": v.status.value,
+            "reason": v.reason.value,
+            "message": v.message,
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": transition,
+        }
         self.api.patch_node_status(self.node, {"status": {"conditions": [cond]}})
         self.sent, self.sent_status, self.transition = v.key, v.status.value, transition
         self.last_write_mono = self.mono()

@@ -105,11 +105,17 @@ class EventReporter:
     def _create(self, p: PendingEvent, slot: _Slot) -> None:
         name = f"{self.node}.{secrets.token_hex(8)}"
         body = {
-            "apiVersion": "events.k8s.io/v1", "kind": "Event",
+            "apiVersion": "events.k8s.io/v1",
+            "kind": "Event",
             "metadata": {"name": name, "namespace": self.namespace},
-            "eventTime": micro_time(p.at), "reportingController": CONTROLLER,
-            "reportingInstance": f"{CONTROLLER}-{self.node}"[:128], "action": p.action, "reason": p.reason,
-            "regarding": self._regarding(), "note": p.note, "type": p.type,
+            "eventTime": micro_time(p.at),
+            "reportingController": CONTROLLER,
+            "reportingInstance": f"{CONTROLLER}-{self.node}"[:128],
+            "action": p.action,
+            "reason": p.reason,
+            "regarding": self._regarding(),
+            "note": p.note,
+            "type": p.type,
         }
         self.api.create_event(self.namespace, body)
         slot.name, slot.first, slot.last_write, slot.count, slot.pending = name, p.at, self.wall(), 1, 0
@@ -120,9 +126,11 @@ class EventReporter:
     def _aggregate(self, key: tuple[str, str], slot: _Slot, now: float) -> None:
         assert slot.name is not None
         count = slot.count + slot.pending
-        self.api.patch_event(self.namespace, slot.name, {
-            "series": {"count": count, "lastObservedTime": micro_time(slot.last_seen or now)},
-            "note": slot.note})
+        self.api.patch_event(
+            self.namespace,
+            slot.name,
+            {"series": {"count": count, "lastObservedTime": micro_time(slot.last_seen or now)}, "note": slot.note},
+        )
         slot.count, slot.pending, slot.last_write = count, 0, now
         if self.on_write:
             self.on_write(key[0])

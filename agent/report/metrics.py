@@ -28,36 +28,59 @@ class Metrics:
         r = self.registry = registry or CollectorRegistry()
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
-        self.status = Gauge("gpu_ready_status", "1 for the current GPUReady status and reason, 0 for the others",
-                            ["status", "reason"], registry=r)
-        self.gpu_healthy = Gauge("gpu_ready_gpu_healthy", "1 healthy, 0 unhealthy; absent when unknown",
-                                 ["gpu", "pci_bus_id", "name"], registry=r)
-        self.gpus = Gauge("gpu_ready_gpus", "GPUs seen by each source; absent when the source was not read",
-                          ["source"], registry=r)
-        self.xid = Counter("gpu_ready_xid", "Kernel-log GPU errors (Xid, SXid, fallen off the bus)",
-                           ["xid", "pci_bus_id", "fatal"], registry=r)
-        self.latched = Gauge("gpu_ready_latched_faults", "Fatal faults latched until reboot or manual clear",
-                             registry=r)
-        self.check_duration = Histogram("gpu_ready_check_duration_seconds", "Duration of one check",
-                                        ["check"], registry=r,
-                                        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.check_failures = Counter("gpu_ready_check_failures", "Checks that could not run", ["check"],
-                                      registry=r)
-        self.smi_timeouts = Counter("gpu_ready_nvidia_smi_timeouts", "nvidia-smi runs killed at the timeout",
-                                    registry=r)
+        self.status = Gauge(
+            "gpu_ready_status",
+            "1 for the current GPUReady status and reason, 0 for the others",
+            ["status", "reason"],
+            registry=r,
+        )
+        self.gpu_healthy = Gauge(
+            "gpu_ready_gpu_healthy",
+            "1 healthy, 0 unhealthy; absent when unknown",
+            ["gpu", "pci_bus_id", "name"],
+            registry=r,
+        )
+        self.gpus = Gauge(
+            "gpu_ready_gpus", "GPUs seen by each source; absent when the source was not read", ["source"], registry=r
+        )
+        self.xid = Counter(
+            "gpu_ready_xid",
+            "Kernel-log GPU errors (Xid, SXid, fallen off the bus)",
+            ["xid", "pci_bus_id", "fatal"],
+            registry=r,
+        )
+        self.latched = Gauge(
+            "gpu_ready_latched_faults", "Fatal faults latched until reboot or manual clear", registry=r
+        )
+        self.check_duration = Histogram(
+            "gpu_ready_check_duration_seconds",
+            "Duration of one check",
+            ["check"],
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.check_failures = Counter("gpu_ready_check_failures", "Checks that could not run", ["check"], registry=r)
+        self.smi_timeouts = Counter(
+            "gpu_ready_nvidia_smi_timeouts", "nvidia-smi runs killed at the timeout", registry=r
+        )
         self.kmsg_records = Counter("gpu_ready_kmsg_records", "Kernel-log records read", registry=r)
-        self.kmsg_lost = Counter("gpu_ready_kmsg_lost_records",
-                                 "Kernel-log records overwritten before they were read", registry=r)
-        self.api_requests = Counter("gpu_ready_api_requests", "Kubernetes API requests by verb and HTTP code "
-                                    "(0 = no answer)", ["verb", "code"], registry=r)
-        self.condition_writes = Counter("gpu_ready_condition_writes", "GPUReady condition patches sent",
-                                        registry=r)
-        self.events = Counter("gpu_ready_events", "Kubernetes Events written (create or aggregate patch)",
-                              ["reason"], registry=r)
-        self.last_cycle = Gauge("gpu_ready_last_cycle_timestamp_seconds", "When the last check cycle ended",
-                                registry=r)
-        self.build_info = Gauge("gpu_ready_build_info", "Always 1; the version label says which build",
-                                ["version"], registry=r)
+        self.kmsg_lost = Counter(
+            "gpu_ready_kmsg_lost_records", "Kernel-log records overwritten before they were read", registry=r
+        )
+        self.api_requests = Counter(
+            "gpu_ready_api_requests",
+            "Kubernetes API requests by verb and HTTP code (0 = no answer)",
+            ["verb", "code"],
+            registry=r,
+        )
+        self.condition_writes = Counter("gpu_ready_condition_writes", "GPUReady condition patches sent", registry=r)
+        self.events = Counter(
+            "gpu_ready_events", "Kubernetes Events written (create or aggregate patch)", ["reason"], registry=r
+        )
+        self.last_cycle = Gauge("gpu_ready_last_cycle_timestamp_seconds", "When the last check cycle ended", registry=r)
+        self.build_info = Gauge(
+            "gpu_ready_build_info", "Always 1; the version label says which build", ["version"], registry=r
+        )
         self.build_info.labels(__version__).set(1)
         for c in CHECKS:
             self.check_failures.labels(c)

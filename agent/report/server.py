@@ -19,8 +19,13 @@ def parse_address(addr: str) -> tuple[str, int]:
 
 
 class HealthServer:
-    def __init__(self, address: str, registry: CollectorRegistry, healthy: Callable[[], tuple[bool, str]],
-                 ready: Callable[[], tuple[bool, str]]) -> None:
+    def __init__(
+        self,
+        address: str,
+        registry: CollectorRegistry,
+        healthy: Callable[[], tuple[bool, str]],
+        ready: Callable[[], tuple[bool, str]],
+    ) -> None:
         host, port = parse_address(address)
         outer = self
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the real control plane used by the tests (kube-apiserver + etcd) and the chart/alert
+# Build the real control plane used by the tests (kube-apiserver + etcd, kube-scheduler, kube-controller-manager) and the chart/alert
 # tooling (helm, promtool, kubectl), caching everything outside the repo keyed by version.
 # A second run with the same versions costs nothing.
 #
@@ -31,6 +31,11 @@ build() {  # build <output> <package> [ldflags]
 build kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver \
   "-X k8s.io/component-base/version.gitVersion=v$K8S_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$MINOR"
 build etcd go.etcd.io/etcd/server/v3
+# kube-scheduler and kube-controller-manager from the same module: the taint tests need the real scheduler
+# (NoSchedule) and the real taint-eviction controller (NoExecute).
+k8s_ld="-X k8s.io/component-base/version.gitVersion=v$K8S_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$MINOR"
+build kube-scheduler k8s.io/kubernetes/cmd/kube-scheduler "$k8s_ld"
+build kube-controller-manager k8s.io/kubernetes/cmd/kube-controller-manager "$k8s_ld"
 
 if [ ! -x "$bin/helm" ]; then
   log "helm: go install helm.sh/helm/v3/cmd/helm@$HELM_VERSION"

@@ -14,9 +14,9 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from agent.testing.cluster import AGENT_RULES, condition, create_node, service_account_client
-from agent.testing.controlplane import ControlPlane, free_port
-from agent.testing.simhost import SimHost
+from testkit.cluster import AGENT_RULES, condition, create_node, service_account_client
+from testkit.controlplane import ControlPlane, free_port
+from testkit.simhost import SimHost
 
 NODE = "gpu-node-1"
 
@@ -26,8 +26,9 @@ def describe(kubeconfig: Path) -> str:
     kubectl = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
     if kubectl is None:
         return "(kubectl not found; install the dev extras)"
-    out = subprocess.run([kubectl, "--kubeconfig", str(kubeconfig), "describe", "node", NODE],
-                         capture_output=True, text=True, timeout=30).stdout
+    out = subprocess.run(
+        [kubectl, "--kubeconfig", str(kubeconfig), "describe", "node", NODE], capture_output=True, text=True, timeout=30
+    ).stdout
     keep, section = [], None
     for line in out.splitlines():
         if line and not line[0].isspace():
@@ -63,18 +64,41 @@ def main() -> int:
         print(f"Control plane ready in {cp.start_seconds:.1f}s at {cp.host}")
         admin = cp.admin()
         host = SimHost(work / "host", gpus=8)
-        create_node(admin, NODE, {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-                    host.plugin_resources())
+        create_node(
+            admin,
+            NODE,
+            {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+            host.plugin_resources(),
+        )
         _, info = service_account_client(admin, AGENT_RULES, namespace="gpu-ready", pod_on_node=NODE)
         agent_kc = cp.kubeconfig(work / "agent.kubeconfig", info["token"], user="gpu-ready")
         admin_kc = cp.kubeconfig(work / "admin.kubeconfig")
         print(f"Registered {NODE} with nvidia.com/gpu=8; simulated host in {host.root}")
         log = open(work / "agent.log", "wb")  # noqa: SIM115
         agent = subprocess.Popen(
-            [sys.executable, "-m", "agent.cli", "run", "--node-name", NODE, "--kubeconfig", str(agent_kc),
-             "--poll-interval", "1", "--recovery-polls", "2", "--metrics-address", f"127.0.0.1:{free_port()}",
-             "--log-format", "json", *host.agent_args()],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "agent.cli",
+                "run",
+                "--node-name",
+                NODE,
+                "--kubeconfig",
+                str(agent_kc),
+                "--poll-interval",
+                "1",
+                "--recovery-polls",
+                "2",
+                "--metrics-address",
+                f"127.0.0.1:{free_port()}",
+                "--log-format",
+                "json",
+                *host.agent_args(),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         wait(admin, "True")
         step("1. healthy: 8 GPUs, nothing wrong", admin_kc)
 

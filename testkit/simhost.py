@@ -26,7 +26,7 @@ from agent.probes.kmsg import format_record
 # Bus ids of the 8-GPU H100 node in shared/fixtures/smi-table-healthy-h100x8-550.90.07-gpud-fixture.txt
 H100X8_BUSES = (0x19, 0x3B, 0x4C, 0x5D, 0x9B, 0xBB, 0xCB, 0xDB)
 
-STANDIN = r'''#!{python}
+STANDIN = r"""#!{python}
 # nvidia-smi stand-in for gpu-ready's simulated host: replays the scenario in {scenario}.
 import json, sys, time
 try:
@@ -50,7 +50,7 @@ if sc.get("hang"):
 sys.stdout.write(sc.get("output", ""))
 sys.stdout.flush()
 sys.exit(int(sc.get("exit_code", 0)))
-'''
+"""
 
 
 @dataclass
@@ -69,17 +69,21 @@ class SimGpu:
     nvlink_total: int = 18
 
 
-QUERY_FIELDS = ("index,pci.bus_id,name,memory.total,driver_version,mig.mode.current,pcie.link.gen.max,"
-                "pcie.link.width.max,ecc.mode.current")
+QUERY_FIELDS = (
+    "index,pci.bus_id,name,memory.total,driver_version,mig.mode.current,pcie.link.gen.max,"
+    "pcie.link.width.max,ecc.mode.current"
+)
 
 
 def smi_query_csv(gpus: list[SimGpu], driver: str = "550.90.07") -> str:
     """`nvidia-smi --query-gpu=<QUERY_FIELDS> --format=csv,noheader,nounits` for the given GPUs."""
     rows = []
     for i, g in enumerate([g for g in gpus if g.in_smi]):
-        rows.append(f"{i}, {g.address.nvml}, {g.name}, {g.memory_mib}, {driver}, "
-                    f"{'Enabled' if g.mig_devices else 'Disabled'}, {g.pcie_gen}, {g.pcie_width}, "
-                    f"{'Enabled' if g.ecc else 'Disabled'}")
+        rows.append(
+            f"{i}, {g.address.nvml}, {g.name}, {g.memory_mib}, {driver}, "
+            f"{'Enabled' if g.mig_devices else 'Disabled'}, {g.pcie_gen}, {g.pcie_width}, "
+            f"{'Enabled' if g.ecc else 'Disabled'}"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -98,6 +102,7 @@ def smi_nvlink_status(gpus: list[SimGpu]) -> str:
 
 def smi_table(gpus: list[SimGpu], driver: str = "550.90.07", cuda: str = "12.4") -> str:
     """A default nvidia-smi table in the real 550 layout for the given GPUs."""
+
     def e(field: str, gpu: SimGpu, value: str) -> str:
         return "ERR!" if field in gpu.err_fields else value
 
@@ -130,7 +135,8 @@ def smi_table(gpus: list[SimGpu], driver: str = "550.90.07", cuda: str = "12.4")
         lines.append("+-----------------------------------------+------------------------+----------------------+")
     if any(g.mig_devices for g in shown):
         lines += [
-            "", "+-----------------------------------------------------------------------------------------+",
+            "",
+            "+-----------------------------------------------------------------------------------------+",
             "| MIG devices:                                                                            |",
             "+------------------+----------------------------------+-----------+-----------------------+",
             "| GPU  GI  CI  MIG |                     Memory-Usage |        Vol|      Shared           |",
@@ -138,11 +144,15 @@ def smi_table(gpus: list[SimGpu], driver: str = "550.90.07", cuda: str = "12.4")
         ]
         for i, g in enumerate(shown):
             for d in range(g.mig_devices):
-                lines.append(f"|{i:>3}{d + 1:>5}   0 {d:>3}  |{'9MiB / 9984MiB':>33} | 16      0 |"
-                             "  1   0    1    0    1 |")
-                lines.append("+------------------+----------------------------------+-----------+-----------------------+")
+                lines.append(
+                    f"|{i:>3}{d + 1:>5}   0 {d:>3}  |{'9MiB / 9984MiB':>33} | 16      0 |  1   0    1    0    1 |"
+                )
+                lines.append(
+                    "+------------------+----------------------------------+-----------+-----------------------+"
+                )
     lines += [
-        "", "+-----------------------------------------------------------------------------------------+",
+        "",
+        "+-----------------------------------------------------------------------------------------+",
         "| Processes:                                                                              |",
         "|  GPU   GI   CI              PID   Type   Process name                        GPU Memory |",
         "|        ID   ID                                                               Usage      |",
@@ -154,8 +164,15 @@ def smi_table(gpus: list[SimGpu], driver: str = "550.90.07", cuda: str = "12.4")
 
 
 class SimHost:
-    def __init__(self, root: str | Path, gpus: int = 8, buses: tuple[int, ...] | None = None,
-                 name: str = "NVIDIA H100 80GB HBM3", extra_functions: bool = True, domain: int = 0) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        gpus: int = 8,
+        buses: tuple[int, ...] | None = None,
+        name: str = "NVIDIA H100 80GB HBM3",
+        extra_functions: bool = True,
+        domain: int = 0,
+    ) -> None:
         self.root = Path(root)
         self.sysfs = self.root / "sys"
         self.devices = self.sysfs / "bus" / "pci" / "devices"
@@ -191,8 +208,16 @@ class SimHost:
 
     # -- PCI ---------------------------------------------------------------------------------------
 
-    def add_pci_function(self, addr: PciAddress, function: int, cls: int, device: int, vendor: int = 0x10DE,
-                         driver: str | None = "nvidia", physfn: str | None = None) -> Path:
+    def add_pci_function(
+        self,
+        addr: PciAddress,
+        function: int,
+        cls: int,
+        device: int,
+        vendor: int = 0x10DE,
+        driver: str | None = "nvidia",
+        physfn: str | None = None,
+    ) -> Path:
         d = self.devices / f"{addr.domain:04x}:{addr.bus:02x}:{addr.device:02x}.{function}"
         d.mkdir(parents=True, exist_ok=True)
         (d / "vendor").write_text(f"0x{vendor:04x}\n")
@@ -210,18 +235,32 @@ class SimHost:
         return d
 
     def add_virtual_function(self, parent: PciAddress, bus: int) -> None:
-        self.add_pci_function(PciAddress(parent.domain, bus, 0), 0, 0x030200, 0x2330,
-                              physfn=f"{parent.domain:04x}:{parent.bus:02x}:{parent.device:02x}.0")
+        self.add_pci_function(
+            PciAddress(parent.domain, bus, 0),
+            0,
+            0x030200,
+            0x2330,
+            physfn=f"{parent.domain:04x}:{parent.bus:02x}:{parent.device:02x}.0",
+        )
 
     def bind_vfio(self, addr: PciAddress) -> None:
         self.add_pci_function(addr, 0, 0x030200, 0x2330, driver="vfio-pci")
 
     # -- nvidia-smi ------------------------------------------------------------------------------------
 
-    def set_smi(self, *, output: str | None = None, fixture: str | Path | None = None, exit_code: int = 0,
-                hang: bool = False, hang_seconds: float = 3600, garbage: bool = False,
-                err: dict[int, tuple[str, ...]] | None = None, hidden: tuple[int, ...] = (),
-                mig: dict[int, int] | None = None) -> None:
+    def set_smi(
+        self,
+        *,
+        output: str | None = None,
+        fixture: str | Path | None = None,
+        exit_code: int = 0,
+        hang: bool = False,
+        hang_seconds: float = 3600,
+        garbage: bool = False,
+        err: dict[int, tuple[str, ...]] | None = None,
+        hidden: tuple[int, ...] = (),
+        mig: dict[int, int] | None = None,
+    ) -> None:
         """Chooses what the stand-in prints next. err: {gpu position: fields showing ERR!};
         hidden: GPU positions nvidia-smi does not show; mig: {gpu position: MIG devices}."""
         for i, g in enumerate(self.gpus):
@@ -236,9 +275,15 @@ class SimHost:
             text = output
         else:
             text = smi_table(self.gpus)
-        sc: dict[str, Any] = {"output": text, "exit_code": exit_code, "hang": hang, "hang_seconds": hang_seconds,
-                              "count_file": str(self.smi_calls), "query_output": smi_query_csv(self.gpus),
-                              "nvlink_output": smi_nvlink_status(self.gpus)}
+        sc: dict[str, Any] = {
+            "output": text,
+            "exit_code": exit_code,
+            "hang": hang,
+            "hang_seconds": hang_seconds,
+            "count_file": str(self.smi_calls),
+            "query_output": smi_query_csv(self.gpus),
+            "nvlink_output": smi_nvlink_status(self.gpus),
+        }
         tmp = self.scenario.with_suffix(".tmp")
         tmp.write_text(json.dumps(sc))
         os.replace(tmp, self.scenario)
@@ -277,13 +322,33 @@ class SimHost:
 
     def agent_args(self) -> list[str]:
         """Flags that point gpu-ready at this host."""
-        return ["--nvidia-smi", str(self.nvidia_smi), "--sysfs-root", str(self.sysfs), "--kmsg", str(self.kmsg),
-                "--nvml", "off", "--state-dir", str(self.state_dir), "--boot-id-file", str(self.boot_id_file)]
+        return [
+            "--nvidia-smi",
+            str(self.nvidia_smi),
+            "--sysfs-root",
+            str(self.sysfs),
+            "--kmsg",
+            str(self.kmsg),
+            "--nvml",
+            "off",
+            "--state-dir",
+            str(self.state_dir),
+            "--boot-id-file",
+            str(self.boot_id_file),
+        ]
 
     def check_args(self) -> list[str]:
         """Flags that point `gpu-ready check` at this host."""
-        return ["--nvidia-smi", str(self.nvidia_smi), "--sysfs-root", str(self.sysfs), "--kmsg", str(self.kmsg),
-                "--nvml", "off"]
+        return [
+            "--nvidia-smi",
+            str(self.nvidia_smi),
+            "--sysfs-root",
+            str(self.sysfs),
+            "--kmsg",
+            str(self.kmsg),
+            "--nvml",
+            "off",
+        ]
 
     def plugin_resources(self, n: int | None = None) -> dict[str, str]:
         return {"nvidia.com/gpu": str(len(self.gpus) if n is None else n)}

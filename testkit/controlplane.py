@@ -20,7 +20,7 @@ from typing import Any
 
 from agent.kube import ApiError, KubeApi
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def testbin_dir() -> Path | None:
@@ -31,13 +31,17 @@ def testbin_dir() -> Path | None:
     gomod = REPO / "tools" / "k8s-testbin" / "go.mod"
     if not versions.exists():
         return None
-    vals = dict(line.split("=", 1) for line in versions.read_text().splitlines() if "=" in line
-                and not line.startswith("#"))
+    vals = dict(
+        line.split("=", 1) for line in versions.read_text().splitlines() if "=" in line and not line.startswith("#")
+    )
     k8s, helm = vals["K8S_VERSION"].strip('"'), vals["HELM_VERSION"].strip('"')
-    etcd = next(ln.split()[1] for ln in gomod.read_text().splitlines()
-                if ln.strip().startswith("go.etcd.io/etcd/server/v3 v"))
-    root = Path(os.environ.get("GPU_READY_TESTBIN") or
-                Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpu-ready-testbin")
+    etcd = next(
+        ln.split()[1] for ln in gomod.read_text().splitlines() if ln.strip().startswith("go.etcd.io/etcd/server/v3 v")
+    )
+    root = Path(
+        os.environ.get("GPU_READY_TESTBIN")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpu-ready-testbin"
+    )
     return root / f"k8s-{k8s}-etcd-{etcd}-helm-{helm}"
 
 
@@ -72,27 +76,40 @@ class ControlPlane:
         (w / "certs").mkdir(parents=True, exist_ok=True)
         sa_key = w / "sa.key"
         if not sa_key.exists():
-            subprocess.run(["openssl", "genrsa", "-out", str(sa_key), "2048"], check=True,
-                           capture_output=True)
+            subprocess.run(["openssl", "genrsa", "-out", str(sa_key), "2048"], check=True, capture_output=True)
         (w / "tokens.csv").write_text(f"{self.admin_token},admin,admin-uid,system:masters\n")
         ep, pp, self.port = free_port(), free_port(), free_port()
         self.host = f"https://127.0.0.1:{self.port}"
         self._etcd_args = [
-            str(self.bin_dir / "etcd"), f"--data-dir={w / 'etcd'}",
-            f"--listen-client-urls=http://127.0.0.1:{ep}", f"--advertise-client-urls=http://127.0.0.1:{ep}",
-            f"--listen-peer-urls=http://127.0.0.1:{pp}", f"--initial-advertise-peer-urls=http://127.0.0.1:{pp}",
+            str(self.bin_dir / "etcd"),
+            f"--data-dir={w / 'etcd'}",
+            f"--listen-client-urls=http://127.0.0.1:{ep}",
+            f"--advertise-client-urls=http://127.0.0.1:{ep}",
+            f"--listen-peer-urls=http://127.0.0.1:{pp}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{pp}",
             f"--initial-cluster=default=http://127.0.0.1:{pp}",
-            "--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=1073741824",
+            "--unsafe-no-fsync",
+            "--log-level=warn",
+            "--quota-backend-bytes=1073741824",
         ]
         self._api_args = [
-            str(self.bin_dir / "kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{ep}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.port}",
-            f"--cert-dir={w / 'certs'}", "--service-cluster-ip-range=10.0.0.0/24",
+            str(self.bin_dir / "kube-apiserver"),
+            f"--etcd-servers=http://127.0.0.1:{ep}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={self.port}",
+            f"--cert-dir={w / 'certs'}",
+            "--service-cluster-ip-range=10.0.0.0/24",
             "--service-account-issuer=https://kubernetes.default.svc",
-            f"--service-account-key-file={sa_key}", f"--service-account-signing-key-file={sa_key}",
-            "--authorization-mode=Node,RBAC", f"--token-auth-file={w / 'tokens.csv'}",
-            "--disable-admission-plugins=ServiceAccount", "--enable-priority-and-fairness=false",
-            "--allow-privileged=true", "--profiling=false", "--v=1",
+            f"--service-account-key-file={sa_key}",
+            f"--service-account-signing-key-file={sa_key}",
+            "--authorization-mode=Node,RBAC",
+            f"--token-auth-file={w / 'tokens.csv'}",
+            "--disable-admission-plugins=ServiceAccount",
+            "--enable-priority-and-fairness=false",
+            "--allow-privileged=true",
+            "--profiling=false",
+            "--v=1",
         ]
         self._spawn_etcd()
         self._spawn_apiserver()
@@ -102,8 +119,9 @@ class ControlPlane:
 
     def _spawn(self, args: list[str], log: Path) -> subprocess.Popen[bytes]:
         fh = open(log, "ab")  # noqa: SIM115 - owned by the child
-        p = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            args, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         fh.close()
         self.procs.append(p)
         return p

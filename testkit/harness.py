@@ -14,19 +14,32 @@ from pathlib import Path
 from typing import Any
 
 from agent.kube import KubeApi
-from agent.testing.cluster import condition
-from agent.testing.controlplane import ControlPlane, free_port
-from agent.testing.simhost import SimHost
+from testkit.cluster import condition
+from testkit.controlplane import ControlPlane, free_port
+from testkit.simhost import SimHost
 
-FAST = {"--poll-interval": "0.5", "--heartbeat-interval": "300", "--recovery-polls": "2",
-        "--nvidia-smi-timeout": "5", "--plugin-grace": "0", "--event-interval": "300", "--api-timeout": "5"}
+FAST = {
+    "--poll-interval": "0.5",
+    "--heartbeat-interval": "300",
+    "--recovery-polls": "2",
+    "--nvidia-smi-timeout": "5",
+    "--plugin-grace": "0",
+    "--event-interval": "300",
+    "--api-timeout": "5",
+}
 
 
-def launch_agent(cp: ControlPlane, workdir: Path, name_prefix: str, extra: dict[str, str] | None = None,
-                 kmsg: str | None = None, gpus: int = 8) -> tuple[AgentProc, SimHost]:
+def launch_agent(
+    cp: ControlPlane,
+    workdir: Path,
+    name_prefix: str,
+    extra: dict[str, str] | None = None,
+    kmsg: str | None = None,
+    gpus: int = 8,
+) -> tuple[AgentProc, SimHost]:
     """A simulated GPU host, a GPU Node for it, a ServiceAccount with the agent's RBAC (token bound to a
     Pod on that node) and the real agent running for it."""
-    from agent.testing.cluster import AGENT_RULES, create_node, service_account_client
+    from testkit.cluster import AGENT_RULES, create_node, service_account_client
 
     admin = cp.admin()
     try:
@@ -54,16 +67,36 @@ def wait_for(pred: Callable[[], Any], timeout: float = 20.0, interval: float = 0
 
 
 class AgentProc:
-    def __init__(self, cp: ControlPlane, host: SimHost, node: str, token: str | None = None,
-                 extra: dict[str, str] | None = None, workdir: Path | None = None,
-                 kmsg: str | None = None) -> None:
+    def __init__(
+        self,
+        cp: ControlPlane,
+        host: SimHost,
+        node: str,
+        token: str | None = None,
+        extra: dict[str, str] | None = None,
+        workdir: Path | None = None,
+        kmsg: str | None = None,
+    ) -> None:
         self.cp, self.host, self.node = cp, host, node
         self.workdir = workdir or host.root
         self.kubeconfig = cp.kubeconfig(self.workdir / f"kubeconfig-{node}", token)
         self.port = free_port()
         self.log_path = self.workdir / f"agent-{node}.log"
-        args = [sys.executable, "-m", "agent.cli", "run", "--node-name", node, "--kubeconfig", str(self.kubeconfig),
-                "--metrics-address", f"127.0.0.1:{self.port}", "--log-format", "json", *host.agent_args()]
+        args = [
+            sys.executable,
+            "-m",
+            "agent.cli",
+            "run",
+            "--node-name",
+            node,
+            "--kubeconfig",
+            str(self.kubeconfig),
+            "--metrics-address",
+            f"127.0.0.1:{self.port}",
+            "--log-format",
+            "json",
+            *host.agent_args(),
+        ]
         flags = {**FAST, **(extra or {})}
         if kmsg:
             flags["--kmsg"] = kmsg
@@ -80,8 +113,9 @@ class AgentProc:
     def start(self) -> AgentProc:
         fh = open(self.log_path, "ab")  # noqa: SIM115
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(self.args, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
         fh.close()
         return self
 
@@ -128,13 +162,15 @@ class AgentProc:
     def gpu_ready(self, api: KubeApi) -> dict[str, Any] | None:
         return condition(api.get_node(self.node), "GPUReady")
 
-    def wait_status(self, api: KubeApi, status: str, reason: str | None = None, timeout: float = 20.0
-                    ) -> dict[str, Any]:
+    def wait_status(
+        self, api: KubeApi, status: str, reason: str | None = None, timeout: float = 20.0
+    ) -> dict[str, Any]:
         def ok() -> dict[str, Any] | None:
             c = self.gpu_ready(api)
             if c and c["status"] == status and (reason is None or c["reason"] == reason):
                 return c
             return None
+
         try:
             return wait_for(ok, timeout, what=f"GPUReady={status} {reason or ''}")
         except AssertionError as e:
