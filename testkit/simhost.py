@@ -7,14 +7,26 @@
   fixture or a table generated for the simulated GPUs in the real 550 layout, with a chosen exit
   code, or hangs, or prints garbage;
 - `kmsg`, a file in the real /dev/kmsg record format, to which records are appended;
-- `boot_id`.
+- `boot_id`;
+- PCIe link fields (`{current,max}_link_{width,speed}`) on every GPU and, with `pcie_bridges=True`, the
+  GPU placed below an upstream bridge in a real `sys/devices/pci<dom>:<bus>/<bridge>/<gpu>` tree with
+  `bus/pci/devices` entries as symbolic links, as on a real host;
+- `dev/` with the NVIDIA device nodes (`make_dev_nodes`) and `proc/driver/nvidia/gpus/<bdf>/information`
+  with each GPU's minor number. Character devices are made with mknod when the process may (root with
+  CAP_MKNOD); otherwise each node is a symbolic link to /dev/null, which is a real character device, so
+  the probe's "is a character device" check runs unchanged (it follows links, as it must for
+  /run/nvidia/driver/dev) without root;
+- `DcgmExporterStandIn`, a dcgm-exporter stand-in serving metric text over HTTP on loopback.
 """
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import stat
 import sys
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +79,7 @@ class SimGpu:
     ecc: bool = True
     nvlink_up: int = 18
     nvlink_total: int = 18
+    minor: int = 0
 
 
 QUERY_FIELDS = (
@@ -172,6 +185,7 @@ class SimHost:
         name: str = "NVIDIA H100 80GB HBM3",
         extra_functions: bool = True,
         domain: int = 0,
+        pcie_bridges: bool = False,
     ) -> None:
         self.root = Path(root)
         self.sysfs = self.root / "sys"
@@ -183,15 +197,29 @@ class SimHost:
         self.kmsg = self.root / "kmsg"
         self.boot_id_file = self.root / "boot_id"
         self.state_dir = self.root / "state"
+        self.dev = self.root / "dev"
+        self.proc = self.root / "proc"
+        self.pcie_bridges = pcie_bridges
         buses = buses or (H100X8_BUSES[:gpus] if gpus <= 8 else tuple(range(0x10, 0x10 + gpus)))
-        self.gpus = [SimGpu(PciAddress(domain, b, 0), name) for b in buses]
+        self.gpus = [SimGpu(PciAddress(domain, b, 0), name, minor=i) for i, b in enumerate(buses)]
         self._seq = 0
         self._usec = 5_000_000
         for d in (self.devices, self.bin, self.scenario.parent, self.state_dir):
             d.mkdir(parents=True, exist_ok=True)
         (self.sysfs / "bus" / "pci" / "drivers").mkdir(exist_ok=True)
-        for g in self.gpus:
-            self.add_pci_function(g.address, 0, 0x030200, g.device_id, driver="nvidia")
+        for i, g in enumerate(self.gpus):
+            parent = None
+            if pcie_bridges:
+                root_port = PciAddress(domain, 0, 1 + i)
+                parent = self.add_pci_function(
+                    root_port, 0, 0x060400, 0x1BBE, vendor=0x8086, driver="pcieport", parent=self.pci_root(domain)
+                )
+                self.set_link(root_port)
+            self.add_pci_function(g.address, 0, 0x030200, g.device_id, driver="nvidia", parent=parent)
+            self.set_link(g.address)
+            info = self.proc / "driver" / "nvidia" / "gpus" / self.sysfs_name(g.address) / "information"
+            info.parent.mkdir(parents=True, exist_ok=True)
+            info.write_text(f"Model: \t\t {g.name}\nIRQ:   \t\t 140\nDevice Minor: \t {g.minor}\n")
         if extra_functions:
             for g in self.gpus:
                 self.add_pci_function(g.address, 1, 0x040300, 0x22A3, driver="snd_hda_intel")
@@ -208,6 +236,15 @@ class SimHost:
 
     # -- PCI ---------------------------------------------------------------------------------------
 
+    @staticmethod
+    def sysfs_name(addr: PciAddress, function: int = 0) -> str:
+        return f"{addr.domain:04x}:{addr.bus:02x}:{addr.device:02x}.{function}"
+
+    def pci_root(self, domain: int = 0) -> Path:
+        d = self.sysfs / "devices" / f"pci{domain:04x}:00"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
     def add_pci_function(
         self,
         addr: PciAddress,
@@ -217,9 +254,17 @@ class SimHost:
         vendor: int = 0x10DE,
         driver: str | None = "nvidia",
         physfn: str | None = None,
+        parent: Path | None = None,
     ) -> Path:
-        d = self.devices / f"{addr.domain:04x}:{addr.bus:02x}:{addr.device:02x}.{function}"
-        d.mkdir(parents=True, exist_ok=True)
+        """parent: a real directory (a bridge's) to create the function under, with a symbolic link in
+        bus/pci/devices as on a real host; None keeps the function as a plain directory there."""
+        entry = self.devices / self.sysfs_name(addr, function)
+        if parent is not None and not entry.exists():
+            real = parent / entry.name
+            real.mkdir(parents=True, exist_ok=True)
+            entry.symlink_to(os.path.relpath(real, self.devices))
+        entry.mkdir(parents=True, exist_ok=True)
+        d = Path(os.path.realpath(entry))
         (d / "vendor").write_text(f"0x{vendor:04x}\n")
         (d / "class").write_text(f"0x{cls:06x}\n")
         (d / "device").write_text(f"0x{device:04x}\n")
@@ -229,10 +274,78 @@ class SimHost:
             link = d / "driver"
             if link.is_symlink():
                 link.unlink()
-            link.symlink_to(os.path.relpath(drv, d))
+            link.symlink_to(os.path.relpath(os.path.realpath(drv), d))
         if physfn:
-            (d / "physfn").symlink_to(os.path.relpath(self.devices / physfn, d))
+            (d / "physfn").symlink_to(os.path.relpath(os.path.realpath(self.devices / physfn), d))
         return d
+
+    # -- PCIe link fields ------------------------------------------------------------------------------
+
+    def set_link(
+        self,
+        addr: PciAddress,
+        current_width: int | None = 16,
+        max_width: int | None = 16,
+        current_gts: float | None = 32.0,
+        max_gts: float | None = 32.0,
+        function: int = 0,
+    ) -> None:
+        """Writes the four link fields in the kernel's format (`16`, `32.0 GT/s PCIe`); None removes one."""
+        d = self.devices / self.sysfs_name(addr, function)
+        values = {
+            "current_link_width": None if current_width is None else str(current_width),
+            "max_link_width": None if max_width is None else str(max_width),
+            "current_link_speed": None if current_gts is None else f"{current_gts:.1f} GT/s PCIe",
+            "max_link_speed": None if max_gts is None else f"{max_gts:.1f} GT/s PCIe",
+        }
+        for name, value in values.items():
+            f = d / name
+            if value is None:
+                f.unlink(missing_ok=True)
+            else:
+                f.write_text(value + "\n")
+
+    def upstream_bridge(self, gpu: int) -> PciAddress:
+        """The root port above GPU `gpu` (only with pcie_bridges=True)."""
+        real = Path(os.path.realpath(self.devices / self.sysfs_name(self.gpus[gpu].address)))
+        addr = PciAddress.parse(real.parent.name)
+        if addr is None:
+            raise ValueError("this SimHost has no upstream bridges (pcie_bridges=False)")
+        return addr
+
+    # -- device nodes ----------------------------------------------------------------------------------
+
+    def make_dev_nodes(self, mig: bool = False, skip: tuple[str, ...] = ()) -> Path:
+        """The NVIDIA device nodes a healthy host has, under dev/ (skip: names not to create)."""
+        self.dev.mkdir(exist_ok=True)
+        nodes = {"nvidiactl": (195, 255), "nvidia-uvm": (510, 0), "nvidia-uvm-tools": (510, 1)}
+        for g in self.gpus:
+            nodes[f"nvidia{g.minor}"] = (195, g.minor)
+        if mig:
+            nodes["nvidia-caps/nvidia-cap1"] = (237, 1)
+            nodes["nvidia-caps/nvidia-cap2"] = (237, 2)
+        for name, (major, minor) in nodes.items():
+            if name not in skip:
+                self.make_char_device(self.dev / name, major, minor)
+        return self.dev
+
+    @staticmethod
+    def make_char_device(path: Path, major: int, minor: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            path.unlink()
+        try:
+            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(major, minor))
+        except (PermissionError, OSError):
+            path.symlink_to("/dev/null")  # a real character device, no privilege needed
+
+    def remove_dev_node(self, name: str) -> None:
+        (self.dev / name).unlink()
+
+    def replace_dev_node_with_file(self, name: str) -> None:
+        p = self.dev / name
+        p.unlink(missing_ok=True)
+        p.write_text("")
 
     def add_virtual_function(self, parent: PciAddress, bus: int) -> None:
         self.add_pci_function(
@@ -352,3 +465,54 @@ class SimHost:
 
     def plugin_resources(self, n: int | None = None) -> dict[str, str]:
         return {"nvidia.com/gpu": str(len(self.gpus) if n is None else n)}
+
+
+class DcgmExporterStandIn:
+    """Serves dcgm-exporter metric text on 127.0.0.1 (`/metrics`), as the real exporter does on :9400.
+    `text` is served as set; `status` other than 200 answers with that HTTP status."""
+
+    def __init__(self, text: str = "") -> None:
+        self.text = text
+        self.status = 200
+        self.requests = 0
+        stand_in = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                stand_in.requests += 1
+                body = stand_in.text.encode()
+                if self.path != "/metrics":
+                    self.send_error(404)
+                    return
+                if stand_in.status != 200:
+                    self.send_error(stand_in.status)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self._thread = threading.Thread(target=self.server.serve_forever, name="dcgm-standin", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host!s}:{port}/metrics"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> DcgmExporterStandIn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -13,7 +13,9 @@ class FakeNVMLError(Exception):
 
 
 def fake_nvml(gpus, init_error=None, hang=None):
-    """gpus: list of dicts with busId, handle_error, recovery, remap=(c,u,pending,failure), links=[states]."""
+    """gpus: list of dicts with busId, handle_error, recovery, remap=(c,u,pending,failure), links=[states];
+    throttle (clock event reasons mask), throttle_error (NVML error code), margin (C), util (%),
+    pcie_gen / pcie_gen_cur, pcie_width / pcie_width_cur."""
     m = types.SimpleNamespace(
         NVMLError=FakeNVMLError,
         NVML_ERROR_LIBRARY_NOT_FOUND=12,
@@ -75,7 +77,29 @@ def fake_nvml(gpus, init_error=None, hang=None):
         "nvmlDeviceGetTotalEccErrors", lambda h, etype, counter: gpus[h].get("ecc_unc" if etype == 1 else "ecc_cor", 0)
     )
     call("nvmlDeviceGetRetiredPages", lambda h, cause: list(range(gpus[h].get("retired", 0))) if cause == 1 else [])
-    call("nvmlDeviceGetCurrentClocksEventReasons", lambda h: gpus[h].get("throttle", 0))
+
+    def clock_reasons(h):
+        if gpus[h].get("throttle_error"):
+            raise FakeNVMLError(gpus[h]["throttle_error"])
+        return gpus[h].get("throttle", 0)
+
+    call("nvmlDeviceGetCurrentClocksEventReasons", clock_reasons)
+
+    def optional(key, wrap=lambda v: v):
+        """A call answering gpus[h][key], NOT_SUPPORTED (3) when the key is absent."""
+
+        def get(h, *a):
+            if key not in gpus[h]:
+                raise FakeNVMLError(3)
+            return wrap(gpus[h][key])
+
+        return get
+
+    # degradation signals: thermal margin (C), utilisation (%), current PCIe generation/width
+    call("nvmlDeviceGetMarginTemperature", optional("margin"))
+    call("nvmlDeviceGetUtilizationRates", optional("util", lambda u: types.SimpleNamespace(gpu=u, memory=0)))
+    call("nvmlDeviceGetCurrPcieLinkGeneration", lambda h: gpus[h].get("pcie_gen_cur", gpus[h].get("pcie_gen", 5)))
+    call("nvmlDeviceGetCurrPcieLinkWidth", lambda h: gpus[h].get("pcie_width_cur", gpus[h].get("pcie_width", 16)))
     call("nvmlShutdown", lambda: None)
     # spec reading
     call("nvmlSystemGetCudaDriverVersion_v2", lambda: 12040)

@@ -1,0 +1,134 @@
+"""The NVIDIA device nodes CUDA needs: `/dev/nvidiactl`, `/dev/nvidia-uvm`, `/dev/nvidia<minor>` for every
+GPU, and `/dev/nvidia-caps/` with its capability nodes when MIG is on. nvidia-smi works without
+`nvidia-uvm`; every CUDA program fails (NVIDIA/gpu-operator#2685). A node that is missing or is not a
+character device is a finding naming it.
+
+The dev root is a parameter: `/dev` in a privileged pod, `/run/nvidia/driver/dev` with the driver
+container, or a test directory. Symbolic links are followed (a link to a character device counts)."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.model import Check, Finding, PciAddress, Reason
+
+_GPU_NODE = re.compile(r"^nvidia(\d{1,3})$")
+_MINOR = re.compile(r"^Device Minor:\s*(\d{1,3})\s*$", re.MULTILINE)
+MAX_ENTRIES = 4096  # entries of the dev root looked at
+
+
+@dataclass(frozen=True)
+class DeviceNodeThresholds:
+    """Settings of the device-node probe (docs/degradation.md)."""
+
+    enabled: bool = True
+    dev_root: str = "/dev"
+    require_uvm: bool = True  # /dev/nvidia-uvm (CUDA needs it; nvidia-smi does not)
+
+
+def _char_device(path: Path) -> bool | None:
+    """True: a character device; False: exists but is something else; None: missing."""
+    try:
+        return stat.S_ISCHR(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False
+
+
+def read_minor_numbers(proc_root: str, gpus: Sequence[PciAddress]) -> dict[PciAddress, int]:
+    """`Device Minor:` from /proc/driver/nvidia/gpus/<bdf>/information (the driver's own mapping);
+    GPUs whose file is missing or unparseable are left out."""
+    out: dict[PciAddress, int] = {}
+    base = Path(proc_root) / "driver" / "nvidia" / "gpus"
+    for g in gpus:
+        f = base / f"{g.domain:04x}:{g.bus:02x}:{g.device:02x}.0" / "information"
+        try:
+            m = _MINOR.search(f.read_text(errors="replace")[:8192])
+        except OSError:
+            continue
+        if m:
+            out[g] = int(m.group(1))
+    return out
+
+
+def probe_device_nodes(
+    thresholds: DeviceNodeThresholds = DeviceNodeThresholds(),
+    *,
+    minors: dict[PciAddress, int] | None = None,
+    gpu_count: int | None = None,
+    mig_enabled: bool = False,
+) -> list[Finding]:
+    """minors: the minor number of each GPU (read_minor_numbers or NVML nvmlDeviceGetMinorNumber); when
+    they are not known, gpu_count nodes /dev/nvidia<N> must exist. mig_enabled: some GPU has MIG on."""
+    t = thresholds
+    if not t.enabled:
+        return []
+    root = Path(t.dev_root)
+    try:
+        names = []
+        with os.scandir(root) as it:
+            for i, entry in enumerate(it):
+                if i >= MAX_ENTRIES:
+                    break
+                names.append(entry.name)
+    except OSError as e:
+        return [
+            Finding.unchecked(
+                Check.DEVICE_NODES, f"cannot list device nodes in {root}: {e.strerror}", kind="unavailable"
+            )
+        ]
+    out: list[Finding] = []
+
+    def need(name: str, gpu: PciAddress | None = None, what: str = "") -> None:
+        ok = _char_device(root / name)
+        if ok is None:
+            text = f"device node {root / name} is missing{what}"
+            out.append(Finding.fault(Check.DEVICE_NODES, Reason.GPU_DEGRADED, text, gpu, kind="missing"))
+        elif not ok:
+            text = f"device node {root / name} is not a character device{what}"
+            out.append(Finding.fault(Check.DEVICE_NODES, Reason.GPU_DEGRADED, text, gpu, kind="not_char"))
+
+    need("nvidiactl")
+    if t.require_uvm:
+        need("nvidia-uvm", what=" (CUDA programs fail without it)")
+    if minors:
+        for gpu, minor in sorted(minors.items()):
+            need(f"nvidia{minor}", gpu)
+    elif gpu_count:
+        present = sorted(int(m.group(1)) for n in names if (m := _GPU_NODE.match(n)) and _char_device(root / n))
+        if len(present) < gpu_count:
+            out.append(
+                Finding.fault(
+                    Check.DEVICE_NODES,
+                    Reason.GPU_DEGRADED,
+                    f"{len(present)} GPU device nodes {root}/nvidia<N> for {gpu_count} GPUs "
+                    f"(present: {', '.join(map(str, present)) or 'none'})",
+                    kind="missing",
+                )
+            )
+    if mig_enabled:
+        caps = root / "nvidia-caps"
+        try:
+            with os.scandir(caps) as it:
+                has_cap = any(_char_device(Path(e.path)) for _, e in zip(range(MAX_ENTRIES), it, strict=False))
+        except FileNotFoundError:
+            has_cap = None
+        except OSError:
+            has_cap = False
+        if not has_cap:
+            state = "is missing" if has_cap is None else "holds no capability device nodes"
+            out.append(
+                Finding.fault(
+                    Check.DEVICE_NODES,
+                    Reason.GPU_DEGRADED,
+                    f"device node directory {caps} {state} (MIG is on; MIG devices cannot be opened)",
+                    kind="missing",
+                )
+            )
+    return out
