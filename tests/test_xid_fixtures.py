@@ -52,25 +52,51 @@ EXPECTED = {
     "xid-lines-63-syslog-nots-mlengineering.txt": {("xid", 63, "0000:10:1c", False): 1},
     "xid-lines-79-dmesg-nots-cloud-native-docs.txt": {("xid", 79, "0000:ca:00", True): 1},
     "xid-lines-79-sxid-20034-dmesg-gpud-readme.txt": {
-        ("xid", 79, "0000:91:00", True): 1,
-        ("fallen_off_bus", 79, "0000:91:00.0", True): 1,
+        ("xid", 79, "0000:91:00", True): 1,  # its "GPU has fallen off the bus" companion is the same fault
         ("sxid", 20034, "0000:06:00.0", True): 1,
         ("sxid", 20034, "0000:05:00.0", True): 2,
         ("sxid", 20034, "0000:07:00.0", True): 1,
     },
-    "xid-lines-79-syslog-congphase-my-t450s.txt": {
-        ("xid", 79, "0000:01:00", True): 1,
-        ("fallen_off_bus", 79, "0000:01:00.0", True): 1,
-    },
+    "xid-lines-79-syslog-congphase-my-t450s.txt": {("xid", 79, "0000:01:00", True): 1},
     "xid-lines-94-95-format-examples-nvidia-driver-source.txt": {
         ("xid", 94, "0000:01:00", False): 2,
         ("xid", 95, "0000:01:00", True): 1,
     },
     "nvrm-lines-nvlink-postRxDet-h100-dmesg-gpud-test.txt": {},
+    # SOE lines carry no severity word: halted and watchdog are fatal, the halt data dumps are continuation
+    "nvswitch-sxid-soe-halt-watchdog-nvidia-driver-source.txt": {
+        ("sxid", 26006, "0000:05:00.0", True): 1,
+        ("sxid", 26008, "0000:07:00.0", True): 1,
+    },
     "nvrm-dmesg-full-boot-h100-nvswitch-healthy-decode-iso-gpud-fixture.txt": {},
     "xid-154-reset-required-nvsentinel.txt": {("xid", 154, "0008:01:00", True): 1},
+    # Real GB200 records (V1, <R575): decided by unit + error status, not by the word
+    "xid-lines-145-149-nvlink5-gb200-gpud-test.txt": {
+        ("xid", 149, "0018:01:00", False): 1,  # NETIR_BER_EVENT status 0x1: IGNORE
+        ("xid", 149, "0008:01:00", False): 1,
+        ("xid", 145, "0018:01:00", False): 2,  # RLW_RXPIPE 0x8: IGNORE; RLW_SRC_TRACK 0x8: XID_154_EVAL
+        ("xid", 145, "0019:01:00", False): 2,
+        ("xid", 145, "0008:01:00", False): 3,
+        ("xid", 149, "0019:01:00", True): 2,  # NETIR(_INT): RESET_GPU
+        ("xid", 149, "0008:01:00", True): 3,  # NETIR / NETIR_LINK_EVT reason 000100: RESET_GPU
+        ("xid", 149, "0018:01:00", True): 5,
+    },
+    # R575+ record shapes (V2 intrInfo), one per unit of the decode table
+    "xid-lines-144-150-nvlink5-r575-shapes-gpud-test.txt": {
+        ("xid", 144, "0000:04:00", False): 1,
+        ("xid", 144, "0000:04:00", True): 1,
+        ("xid", 145, "0000:04:00", False): 8,
+        ("xid", 145, "0000:04:00", True): 4,
+        ("xid", 146, "0000:04:00", False): 5,
+        ("xid", 146, "0000:04:00", True): 5,  # TLW status 0x4: RESET_GPU
+        ("xid", 147, "0000:04:00", False): 1,
+        ("xid", 148, "0000:04:00", False): 1,
+        ("xid", 149, "0000:04:00", False): 3,
+        ("xid", 149, "0000:04:00", True): 5,
+        ("xid", 150, "0000:04:00", True): 1,
+    },
     "xid-shapes-reference.txt": {
-        ("xid", 14, "0000:03:00", True): 1,
+        ("xid", 14, "0000:03:00", False): 1,  # catalog: IGNORE (was unknown, hence fatal, before)
         ("xid", 32, "0000:01:00", False): 1,
         ("xid", 109, "0000:02:00", True): 1,
         ("xid", 145, "0018:01:00", False): 1,
@@ -81,6 +107,7 @@ EXPECTED = {
 
 def test_every_shared_kernel_log_fixture_is_covered():
     shared = {p.name for p in FIXTURES.glob("xid-*.txt")} | {p.name for p in FIXTURES.glob("nvrm-*.txt")}
+    shared |= {p.name for p in FIXTURES.glob("nvswitch-*.txt")}
     assert shared and shared <= set(EXPECTED), f"without a test: {sorted(shared - set(EXPECTED))}"
 
 
@@ -154,3 +181,88 @@ def test_docs_table_matches_the_catalog():
     doc = (Path(__file__).parents[1] / "docs" / "xid-policy.md").read_text()
     for e in load_catalog().values():
         assert f"| {e.xid} | {e.name} | {e.action} | {'yes' if e.fatal else 'no'} |" in doc, e.xid
+
+
+# --- one failure, one fault -----------------------------------------------------------------------------------
+
+XID79 = "NVRM: Xid (PCI:0000:91:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+FOB_91 = "NVRM: GPU 0000:91:00.0: GPU has fallen off the bus."
+FOB_THREE = (
+    "NVRM: The NVIDIA GPU 0000:91:00.0",
+    "NVRM: (PCI ID: 10de:2330) installed in this system has",
+    "NVRM: fallen off the bus and is not responding to commands.",
+)
+
+
+def test_xid_79_and_its_companion_are_one_event():
+    p = KernelLogParser()
+    evs = p.feed(XID79, 1, 6_781_741_548_779) + p.feed(FOB_91, 2, 6_781_741_548_783)
+    assert [(e.source, e.xid, e.address) for e in evs] == [("xid", 79, PciAddress(0, 0x91, 0))]
+
+
+def test_companion_first_then_xid_79_is_one_event():
+    p = KernelLogParser()
+    evs = [e for i, t in enumerate((*FOB_THREE, XID79)) for e in p.feed(t, i, 1_000_000 + i)]
+    assert [(e.source, e.xid) for e in evs] == [("fallen_off_bus", 79)]
+
+
+def test_one_record_with_both_lines_is_one_event():
+    assert len(KernelLogParser().feed(XID79 + "\n" + FOB_91, 7, 5)) == 1
+
+
+def test_other_gpus_and_later_failures_are_separate_events():
+    p = KernelLogParser()
+    other = XID79.replace("0000:91:00", "0000:3b:00")
+    evs = p.feed(XID79, 1, 1_000_000) + p.feed(other, 2, 1_000_100) + p.feed(FOB_91, 3, 1_000_200)
+    assert sorted(e.raw_address for e in evs) == ["0000:3b:00", "0000:91:00"]
+    # the same GPU falls off the bus again a minute later (after a reset): a new fault
+    assert len(p.feed(XID79, 4, 61_000_000)) == 1
+
+
+def test_without_timestamps_a_burst_is_counted_in_records():
+    p = KernelLogParser()
+    assert len(p.feed(XID79)) == 1 and p.feed(FOB_91) == []
+    for _ in range(100):
+        p.feed("unrelated record")
+    assert len(p.feed(FOB_91)) == 1
+
+
+# --- bounded, linear-time parsing (issue 12 items 10 and 13) ----------------------------------------------------
+
+HOSTILE = {
+    "100 KB record, no closing parenthesis": "NVRM: Xid (PCI:0000:01:00" + "0" * 100_000,
+    "100 KB of spaces inside the parenthesis": "NVRM: Xid (PCI:0000:01:00 " + " " * 100_000 + "): 13",
+    "many open prefixes": "NVRM: Xid (" * 10_000,
+    "many short lines": ("NVRM: Xid (PCI:" + "a" * 20 + "\n") * 5_000,
+    "long address": "NVRM: GPU " + "0:" * 50_000,
+    "repeated fallen-off prefix": "NVRM: GPU 0000:01:00.0: GPU has" * 3_000,
+    "repeated SXid prefix": "nvidia-nvswitch0: SXid (PCI:" * 4_000,
+    "NVLink5 registers without end": "NVRM: Xid (PCI:0000:01:00): 145, " + "(0x1 " * 20_000,
+    "repeated The NVIDIA GPU": "NVRM: The NVIDIA GPU " * 5_000,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_record_parses_in_linear_time(name):
+    import time
+
+    text = HOSTILE[name]
+    p = KernelLogParser()
+    t0 = time.perf_counter()
+    p.feed(text)
+    elapsed = time.perf_counter() - t0
+    # milliseconds on an idle machine; the bound leaves room for a loaded 2-core box (the old parser took 7 s)
+    assert elapsed < 1.0, f"{name}: {elapsed:.3f}s for {len(text)} characters"
+
+
+def test_absurd_xid_number_is_unparseable_not_an_error():
+    p = KernelLogParser()
+    assert p.feed("NVRM: Xid (PCI:0000:01:00): " + "9" * 5000 + ", pid=1, name=x, text") == []
+    assert p.feed("nvidia-nvswitch0: SXid (PCI:0000:05:00.0): " + "9" * 5000 + ", Fatal, Link 1") == []
+    (ev,) = p.feed("NVRM: Xid (PCI:0000:01:00): 4294967295, a number the driver could print")
+    assert ev.xid == 4294967295 and ev.fatal and ev.name == "UNKNOWN_XID"
+
+
+def test_a_long_record_still_yields_its_xid():
+    (ev,) = KernelLogParser().feed("NVRM: Xid (PCI:0000:01:00): 48, " + "x" * 200_000)
+    assert ev.xid == 48 and ev.fatal
