@@ -2,7 +2,13 @@
 
 Binaries come from tools/k8s-testbin/build.sh (cached under ~/.cache/gpu-ready-testbin). Flags follow
 controller-runtime's envtest: RBAC (and Node) authorization, a static admin token, service-account
-token signing so that TokenRequest works without a controller-manager."""
+token signing so that TokenRequest works without a controller-manager.
+
+On demand (`start_scheduler`, `start_controller_manager`) the real kube-scheduler and a
+kube-controller-manager running only the controllers a test names (by default those NoExecute taint
+eviction needs; never the node lifecycle controller, which would taint every kubelet-less Node
+unreachable). Both use a kubeconfig with the admin token, no leader election, and log to files
+in the work directory that are kept for failure output (`log_tail(component)`)."""
 
 from __future__ import annotations
 
@@ -12,9 +18,12 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +54,13 @@ def testbin_dir() -> Path | None:
     return root / f"k8s-{k8s}-etcd-{etcd}-helm-{helm}"
 
 
+# NoExecute taint eviction. In 1.36 the taint-eviction controller looks pods up by a spec.nodeName index on the
+# shared pod informer that it does not add itself ("Index with name spec.nodeName does not exist"); the node
+# lifecycle and DaemonSet controllers add it. The node lifecycle controller would taint every kubelet-less
+# Node unreachable, so the DaemonSet controller (idle: the tests create no DaemonSets) supplies the index.
+EVICTION_CONTROLLERS = ("taint-eviction-controller", "daemonset-controller")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,6 +85,10 @@ class ControlPlane:
         self.port = 0
         self._etcd_args: list[str] = []
         self._api_args: list[str] = []
+        self.scheduler: subprocess.Popen[bytes] | None = None
+        self.controller_manager: subprocess.Popen[bytes] | None = None
+        self.component_ports: dict[str, int] = {}
+        self.component_start_seconds: dict[str, float] = {}
 
     def start(self, timeout_s: float = 90.0) -> ControlPlane:
         t0 = time.monotonic()
@@ -162,6 +182,92 @@ class ControlPlane:
         )
         return path
 
+    # -- kube-scheduler and kube-controller-manager, on demand ------------------------------------------
+
+    def _component_binary(self, name: str) -> Path:
+        path = self.bin_dir / name
+        if not path.exists():
+            raise FileNotFoundError(f"{name} not found in {self.bin_dir}; run tools/k8s-testbin/build.sh")
+        return path
+
+    def _component_args(self, name: str) -> list[str]:
+        """Flags both components share: the admin kubeconfig for the API, for delegated authn/authz of
+        their own /healthz, and a secure port on loopback with a self-signed cert in the work directory."""
+        kc = self.kubeconfig(self.workdir / f"{name}.kubeconfig")
+        port = self.component_ports[name] = free_port()
+        return [
+            str(self._component_binary(name)),
+            f"--kubeconfig={kc}",
+            f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            "--authentication-skip-lookup=true",  # no client-CA configmap in this control plane
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            f"--cert-dir={self.workdir / 'certs' / name}",
+            "--v=2",
+        ]
+
+    def start_scheduler(self, timeout_s: float = 90.0) -> None:
+        """Starts the real kube-scheduler (default profile) and waits until its /readyz says its informers
+        are synced. A no-op while one is running."""
+        if self.scheduler is not None and self.scheduler.poll() is None:
+            return
+        t0 = time.monotonic()
+        args = self._component_args("kube-scheduler")
+        self.scheduler = self._spawn(args, self.component_log("kube-scheduler"))
+        self._wait_component("kube-scheduler", self.scheduler, "/readyz", timeout_s)
+        self.component_start_seconds["kube-scheduler"] = time.monotonic() - t0
+
+    def start_controller_manager(
+        self, controllers: tuple[str, ...] = EVICTION_CONTROLLERS, timeout_s: float = 90.0
+    ) -> None:
+        """Starts kube-controller-manager with only `controllers` (names as in 1.36's
+        cmd/kube-controller-manager/names) and waits until /healthz lists each of them as ok. A no-op
+        while one is running."""
+        if self.controller_manager is not None and self.controller_manager.poll() is None:
+            return
+        t0 = time.monotonic()
+        args = [
+            *self._component_args("kube-controller-manager"),
+            f"--controllers={','.join(controllers)}",
+            "--use-service-account-credentials=false",
+        ]
+        self.controller_manager = self._spawn(args, self.component_log("kube-controller-manager"))
+        expect = [f"[+]{c} ok" for c in controllers]  # each started controller adds a named check
+        self._wait_component("kube-controller-manager", self.controller_manager, "/healthz?verbose", timeout_s, expect)
+        self.component_start_seconds["kube-controller-manager"] = time.monotonic() - t0
+
+    def component_log(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
+
+    def _wait_component(
+        self, name: str, proc: subprocess.Popen[bytes], path: str, timeout_s: float, expect: list[str] | None = None
+    ) -> None:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE  # the component's serving cert is self-signed
+        url = f"https://127.0.0.1:{self.component_ports[name]}{path}"
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.admin_token}"})
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(component=name)}")
+            try:
+                with urllib.request.urlopen(req, timeout=2, context=ctx) as resp:
+                    body = resp.read(65536).decode(errors="replace")
+                    missing = [e for e in expect or [] if e not in body]
+                    if resp.status == 200 and not missing:
+                        return
+                    last = f"HTTP {resp.status}, missing {missing}"
+            except urllib.error.HTTPError as e:
+                last = f"HTTP {e.code}"
+            except (urllib.error.URLError, OSError) as e:
+                last = str(e)
+            time.sleep(0.25)
+        raise TimeoutError(f"{name} {path} not ok after {timeout_s}s ({last}):\n{self.log_tail(component=name)}")
+
     def stop_apiserver(self) -> None:
         terminate_group(self.apiserver)
 
@@ -169,16 +275,18 @@ class ControlPlane:
         self._spawn_apiserver()
         self.wait_ready(timeout_s)
 
-    def log_tail(self, lines: int = 60) -> str:
+    def log_tail(self, lines: int = 60, component: str = "kube-apiserver") -> str:
+        log = self.apiserver_log if component == "kube-apiserver" else self.component_log(component)
         try:
-            return "\n".join(self.apiserver_log.read_text(errors="replace").splitlines()[-lines:])
+            return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
-            return "(no apiserver log)"
+            return f"(no {component} log)"
 
     def stop(self) -> None:
         for p in reversed(self.procs):
             terminate_group(p)
         self.procs.clear()
+        self.scheduler = self.controller_manager = None
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -1,0 +1,272 @@
+"""gpu-ready's taint on its own Node, `gpu-ready.io/gpu-not-ready`: the verdict made visible to the scheduler.
+
+A condition does not stop the scheduler; a taint does. Two modes (docs/taints.md):
+
+- `startup`: nodes may join with `gpu-ready.io/gpu-not-ready:NoSchedule` (kubelet
+  `--register-with-taints`, Karpenter `startupTaints`, Cluster Autoscaler `--startup-taint`). The agent
+  removes it when the node is `True` (and the start-up gate is open: preflight=passed when
+  requirePreflight is on) and never adds it.
+- `continuous`: as `startup`, and the agent also adds `NoSchedule` while the node is `False` (plus
+  `NoExecute` for latched fatal faults when asked to) and removes it when the node is `True` again. The
+  verdict already carries the hysteresis, so the taint follows it without a second timer.
+- `off` (default): the agent never touches taints.
+
+`Unknown` ("could not check") leaves the taint as it is, unless `unknown_as_false` is set.
+
+`plan_taints` is the pure part: verdict + the taints now on the Node -> which of gpu-ready's entries to
+add and remove. `TaintReporter` applies a plan with one JSON patch whose first op `test`s the whole taint
+list it planned from, so a concurrent change by anyone else (an admin, the device plugin, the node
+lifecycle controller) fails the patch instead of being overwritten; it then re-reads the Node and plans
+again. Entries whose key is not gpu-ready's are copied through unchanged, in their order."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+from urllib.parse import quote
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from agent.kube import ApiError, KubeApi
+from agent.model import Status, Verdict
+from agent.report.events import EventReporter
+
+TAINT_KEY = "gpu-ready.io/gpu-not-ready"
+NO_SCHEDULE = "NoSchedule"
+PREFER_NO_SCHEDULE = "PreferNoSchedule"
+NO_EXECUTE = "NoExecute"
+EFFECTS = (NO_SCHEDULE, PREFER_NO_SCHEDULE, NO_EXECUTE)  # the API accepts no others: a bounded label set
+JSON_PATCH = "application/json-patch+json"
+MAX_TAINTS = 1000  # bounds the work on a malformed Node; the API itself keeps the list far shorter
+_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+class TaintMode(StrEnum):
+    OFF = "off"
+    STARTUP = "startup"
+    CONTINUOUS = "continuous"
+
+
+@dataclass(frozen=True)
+class TaintSettings:
+    mode: TaintMode = TaintMode.OFF  # the chart turns taints on together with the `patch nodes` RBAC
+    no_execute_on_fatal: bool = False  # continuous mode: NoExecute too while a fatal fault is latched
+    unknown_as_false: bool = False  # continuous mode: treat Unknown like False
+    key: str = TAINT_KEY  # must equal the chart's taints.key (its admission policy allows only that key)
+
+
+@dataclass(frozen=True)
+class TaintPlan:
+    """Effects of gpu-ready's taint to add and to remove. Empty: the Node is as it should be."""
+
+    add: tuple[str, ...] = ()
+    remove: tuple[str, ...] = ()
+    why: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.add or self.remove)
+
+
+def taint_key_error(key: str) -> str | None:
+    """Why `key` is not a valid taint key (a qualified name: optional DNS-subdomain prefix and "/", then a
+    name of at most 63 characters), or None when it is. For the settings' validation."""
+    prefix, slash, name = key.rpartition("/")
+    bad_prefix = bool(slash) and (not prefix or len(prefix) > 253 or not _PREFIX.match(prefix))
+    if len(key) > 317 or not _NAME.match(name) or bad_prefix:
+        return f"taint key {key[:80]!r} is not a qualified name like gpu-ready.io/gpu-not-ready"
+    return None
+
+
+def taints_of(node: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The Node's spec.taints as a list of dicts (entries that are not objects are dropped)."""
+    raw = ((node or {}).get("spec") or {}).get("taints") or []
+    if not isinstance(raw, list):
+        return []
+    return [t for t in raw[:MAX_TAINTS] if isinstance(t, dict)]
+
+
+def own_effects(taints: Iterable[dict[str, Any]], key: str = TAINT_KEY) -> frozenset[str]:
+    """The effects of the entries whose key is gpu-ready's."""
+    return frozenset(str(t.get("effect", "")) for t in taints if t.get("key") == key)
+
+
+def plan_taints(
+    status: Status,
+    reason: str,
+    latched_fatal: bool,
+    current_taints: Sequence[dict[str, Any]],
+    settings: TaintSettings,
+    startup_gate_open: bool,
+) -> TaintPlan:
+    """What gpu-ready's taint should become. Pure: no I/O, no clock.
+
+    `startup_gate_open` is True when nothing but the verdict holds the gate: preflight=passed when
+    requirePreflight is on, always True otherwise. Only entries with gpu-ready's key are ever planned."""
+    ours = own_effects(current_taints, settings.key)
+    if settings.mode is TaintMode.OFF:
+        return TaintPlan()
+    if status is Status.TRUE:
+        if not startup_gate_open or not ours:
+            return TaintPlan()
+        return TaintPlan(remove=tuple(sorted(ours)), why=f"GPUReady=True ({reason})")
+    if settings.mode is not TaintMode.CONTINUOUS:
+        return TaintPlan()  # the start-up gate only opens; it never closes again
+    if status is Status.UNKNOWN and not settings.unknown_as_false:
+        return TaintPlan()  # could not check: leave the taint as it is
+    want = {NO_SCHEDULE}
+    if settings.no_execute_on_fatal and latched_fatal:
+        want.add(NO_EXECUTE)
+    add = tuple(e for e in EFFECTS if e in want and e not in ours)
+    remove = tuple(sorted(ours - want))
+    if not add and not remove:
+        return TaintPlan()
+    return TaintPlan(
+        add, remove, f"GPUReady={status.value} ({reason})" + (", fatal fault latched" if latched_fatal else "")
+    )
+
+
+def rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def apply_plan(
+    current: Sequence[dict[str, Any]], plan: TaintPlan, now: float, key: str = TAINT_KEY
+) -> list[dict[str, Any]]:
+    """The new taint list: every other entry unchanged and in order, gpu-ready's removals dropped, its
+    additions appended (NoExecute with timeAdded, which the API keeps only for NoExecute)."""
+    gone = set(plan.remove)
+    out = [dict(t) for t in current if not (t.get("key") == key and t.get("effect") in gone)]
+    have = own_effects(out, key)
+    for effect in plan.add:
+        if effect in have:
+            continue
+        taint: dict[str, Any] = {"key": key, "effect": effect}
+        if effect == NO_EXECUTE:
+            taint["timeAdded"] = rfc3339(now)
+        out.append(taint)
+    return out
+
+
+def taint_patch(raw_taints: Any, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A JSON patch that replaces spec.taints only if it still holds exactly `raw_taints` (None: absent)."""
+    return [
+        {"op": "test", "path": "/spec/taints", "value": raw_taints},
+        {"op": "add", "path": "/spec/taints", "value": new},
+    ]
+
+
+class TaintMetrics:
+    """`gpu_ready_taint{effect}`: 1 while the Node carries gpu-ready's taint with that effect, 0 when it
+    does not (as last read or written; absent until the first reconcile). `gpu_ready_taint_changes_total
+    {change, effect}`: taint entries added and removed by this agent."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.taint = Gauge(
+            "gpu_ready_taint",
+            "1 while the Node carries gpu-ready's taint with this effect, 0 when not",
+            ["effect"],
+            registry=registry,
+        )
+        self.changes = Counter(
+            "gpu_ready_taint_changes",
+            "gpu-ready taint entries added or removed by this agent",
+            ["change", "effect"],
+            registry=registry,
+        )
+
+    def observe(self, ours: Collection[str]) -> None:
+        """`ours`: the effects of gpu-ready's entries now on the Node (own_effects)."""
+        for effect in EFFECTS:
+            self.taint.labels(effect).set(1 if effect in ours else 0)
+
+    def changed(self, plan: TaintPlan) -> None:
+        for effect in plan.add:
+            self.changes.labels("added", effect).inc()
+        for effect in plan.remove:
+            if effect in EFFECTS:
+                self.changes.labels("removed", effect).inc()
+
+
+class TaintReporter:
+    """Applies plan_taints to the agent's own Node. Needs `get` and `patch` on nodes (the chart's admission
+    policy lets the agent's token change only gpu-ready's taint entries, only on its own node)."""
+
+    def __init__(
+        self,
+        api: KubeApi,
+        node: str,
+        settings: TaintSettings,
+        events: EventReporter | None = None,
+        metrics: TaintMetrics | None = None,
+        wall: Callable[[], float] = time.time,
+        attempts: int = 3,
+    ) -> None:
+        self.api = api
+        self.node = node
+        self.settings = settings
+        self.events = events
+        self.metrics = metrics
+        self.wall = wall
+        self.attempts = max(1, attempts)
+        self.last_taints: list[dict[str, Any]] | None = None
+
+    def reconcile(
+        self,
+        verdict: Verdict,
+        latched_fatal: bool,
+        startup_gate_open: bool,
+        node: dict[str, Any] | None = None,
+    ) -> TaintPlan:
+        """Brings gpu-ready's taint to what the verdict asks for and returns the plan applied (empty when
+        nothing changed). `node` is the Node this poll already read (saves a GET; re-read on a conflict).
+        Events are recorded, not flushed: the caller flushes with the others. Raises ApiError."""
+        if self.settings.mode is TaintMode.OFF:
+            return TaintPlan()
+        if node is None:
+            node = self.api.get_node(self.node)
+        for attempt in range(self.attempts):
+            current = taints_of(node)
+            plan = plan_taints(
+                verdict.status, verdict.reason.value, latched_fatal, current, self.settings, startup_gate_open
+            )
+            if not plan:
+                self._observe(current)
+                return plan
+            raw = (node.get("spec") or {}).get("taints")
+            ops = taint_patch(raw, apply_plan(current, plan, self.wall(), self.settings.key))
+            try:
+                node = self.api.request("PATCH", f"/api/v1/nodes/{quote(self.node)}", ops, JSON_PATCH)
+            except ApiError as e:
+                # 422: the `test` op failed (someone changed the taints since we read them); 409: conflict.
+                if e.status in (409, 422) and attempt + 1 < self.attempts:
+                    node = self.api.get_node(self.node)
+                    continue
+                raise
+            self._observe(taints_of(node))
+            self._record(plan)
+            return plan
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _observe(self, taints: list[dict[str, Any]]) -> None:
+        self.last_taints = taints
+        if self.metrics is not None:
+            self.metrics.observe(own_effects(taints, self.settings.key))
+
+    def _record(self, plan: TaintPlan) -> None:
+        if self.metrics is not None:
+            self.metrics.changed(plan)
+        if self.events is None:
+            return
+        key = self.settings.key
+        if plan.add:
+            what = ", ".join(f"{key}:{e}" for e in plan.add)
+            self.events.record("TaintAdded", f"added {what}: {plan.why}", type_="Warning", action="Tainted")
+        if plan.remove:
+            what = ", ".join(f"{key}:{e}" for e in plan.remove)
+            self.events.record("TaintRemoved", f"removed {what}: {plan.why}", type_="Normal", action="Untainted")
