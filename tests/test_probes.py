@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 
 import pytest
@@ -14,6 +13,7 @@ from agent.probes.kmsg import KmsgSource, KmsgUnavailable, format_record
 from agent.probes.nvidia_smi import NvidiaSmiRunner, probe_nvidia_smi
 from agent.probes.nvml import NvmlProbe
 from agent.probes.pci import list_pci_gpus, probe_pci
+from testkit.harness import wait_for
 from tests.fakes import fake_nvml
 
 # -- PCI ------------------------------------------------------------------------------------------------
@@ -36,8 +36,8 @@ def test_pci_excludes_virtual_functions_and_vfio(simhost):
 
 
 def test_pci_unreadable_root_is_unchecked(tmp_path):
-    findings, gpus = probe_pci(str(tmp_path / "nope"))
-    assert gpus is None and findings[0].severity is Severity.UNCHECKED
+    r = probe_pci(str(tmp_path / "nope"))
+    assert not r.ran and r.count is None and r.findings[0].severity is Severity.UNCHECKED
 
 
 # -- device plugin ----------------------------------------------------------------------------------
@@ -94,37 +94,38 @@ def test_plugin_unhealthy_and_not_serving():
 
 
 def test_missing_binary_is_could_not_check(tmp_path):
-    f, _, _ = probe_nvidia_smi(NvidiaSmiRunner(str(tmp_path / "missing"), 1))
-    assert f[0].severity is Severity.UNCHECKED and "not found" in f[0].message
+    r = probe_nvidia_smi(NvidiaSmiRunner(str(tmp_path / "missing"), 1))
+    assert not r.ran and r.findings[0].severity is Severity.UNCHECKED and "not found" in r.findings[0].message
 
 
 def test_hung_child_is_killed_at_the_timeout(simhost):
     simhost.set_smi(hang=True)
     r = NvidiaSmiRunner(str(simhost.nvidia_smi), timeout_s=0.5)
     t0 = time.monotonic()
-    f, _, run = probe_nvidia_smi(r)
+    res = probe_nvidia_smi(r)
     assert time.monotonic() - t0 < 4
-    assert run.timed_out and f[0].kind == "timeout" and f[0].reason is Reason.NVIDIA_SMI_FAILED
+    f = res.findings
+    assert res.timed_out and f[0].kind == "timeout" and f[0].reason is Reason.NVIDIA_SMI_FAILED
 
 
 def test_unreapable_child_is_abandoned_and_no_second_one_starts(simhost, monkeypatch):
-    """A D-state child survives SIGKILL; emulate that by making the kill a no-op."""
-    simhost.set_smi(hang=True, hang_seconds=6)
+    """A D-state child survives SIGKILL; emulate that by making the agent's kill a no-op (nvidia-smi's
+    supervisor is then never told, and nvidia-smi sleeps on as a D-state one would)."""
+    simhost.set_smi(hang=True, hang_seconds=60)
     r = NvidiaSmiRunner(str(simhost.nvidia_smi), timeout_s=0.5, reap_grace_s=0.3)
+    monkeypatch.setattr(os, "kill", lambda *a: None)
     monkeypatch.setattr(os, "killpg", lambda *a: None)
-    _, _, run = probe_nvidia_smi(r)
+    run = r.run()
     assert run.timed_out and run.hung_pid
     calls = simhost.smi_call_count()
-    f, _, _run2 = probe_nvidia_smi(r)
-    assert f[0].kind == "hung" and str(run.hung_pid) in f[0].message
-    assert simhost.smi_call_count() == calls, "no second nvidia-smi while the first lives"
+    res = probe_nvidia_smi(r)
+    assert [f.kind for f in res.findings] == ["hung"] and str(run.hung_pid) in res.findings[0].message
+    assert not res.ran and simhost.smi_call_count() == calls, "no second nvidia-smi while the first lives"
     monkeypatch.undo()
-    os.kill(run.hung_pid, 9)
-    subprocess.run(["true"])
-    time.sleep(0.3)
+    os.kill(run.hung_pid, 9)  # the D state ends: the supervisor reaps it and exits
     simhost.set_smi()
-    f, table, _ = probe_nvidia_smi(r)
-    assert table is not None and len(table.gpus) == 8
+    res = wait_for(lambda: (x := probe_nvidia_smi(r)).ran and x, 20, what="a fresh nvidia-smi run")
+    assert res.count == 8
 
 
 # -- NVML with a stand-in library ------------------------------------------------------------------------

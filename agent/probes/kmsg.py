@@ -22,6 +22,10 @@ _ESC = re.compile(rb"\\x([0-9a-fA-F]{2})")
 KERNEL_FACILITY = 0
 READ_SIZE = 8192
 FILE_CHUNK = 1 << 20
+# One /dev/kmsg read returns at most 8192 bytes (the kernel's CONSOLE_EXT_LOG_MAX: a record's text is at
+# most 1024 bytes, up to 4x that once escaped as \xNN). A longer line in a file is cut to MAX_RECORD before
+# parsing, so a huge line costs linear time and bounded memory (issue 12 item 10).
+MAX_RECORD = 8192
 
 
 class KmsgRecord(NamedTuple):
@@ -47,6 +51,7 @@ def unescape(text: str) -> str:
 def parse_record(raw: str) -> KmsgRecord | None:
     """Parses one record (its first line; continuation lines are dropped). None for a blank line.
     A line without a valid kmsg header comes back as a plain-text record with facility None."""
+    raw = raw[:MAX_RECORD]
     nl = raw.find("\n")
     line = (raw if nl < 0 else raw[:nl]).rstrip("\r")
     if not line or line.isspace():
@@ -263,10 +268,15 @@ class KmsgSource:
             if not chunk:
                 break
             self._offset += len(chunk)
-            data = self._buf + chunk
-            lines = data.split(b"\n")
-            self._buf = lines.pop()  # partial last line: wait for its newline
+            lines = chunk.split(b"\n")
+            tail = lines.pop()  # partial last line: wait for its newline
+            if lines:
+                lines[0] = self._buf + lines[0][:MAX_RECORD]
+                self._buf = tail[:MAX_RECORD]
+            else:
+                self._buf = (self._buf + tail[:MAX_RECORD])[:MAX_RECORD]  # a line longer than MAX_RECORD is cut
             for raw in lines:
+                raw = raw[:MAX_RECORD]
                 if raw[:1] == b" ":
                     continue  # continuation line (KEY=value) of the previous record
                 self._accept(parse_record(raw.decode("utf-8", "replace")), out)

@@ -6,25 +6,28 @@ from __future__ import annotations
 
 import os
 import re
+import select
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-from agent.model import Check, Finding, PciAddress, Reason
+from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult, Reason, Severity
 
-BUS_ID = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]"
-GPU_ROW_RE = re.compile(
-    rf"^\|\s*(?P<index>\d+)\s+(?P<rest>.*?)\|\s*(?P<bus>{BUS_ID})\b(?P<disp>[^|]*)\|(?P<c3>[^|]*)\|"
-)
-MIG_ROW_RE = re.compile(r"^\|\s*(?P<gpu>\d+)\s+(?P<gi>\d+)\s+(?P<ci>\d+)\s+(?P<dev>\d+)\s*\|")
-DRIVER_RE = re.compile(r"(?:Driver|KMD) Version:\s*(?P<v>[0-9][0-9.]*)")
-CUDA_RE = re.compile(r"CUDA (?:UMD )?Version:\s*(?P<v>[0-9][0-9.]*)")
-HANDLE_RE = re.compile(
-    r"Unable to determine the device handle for gpu ?(?P<addr>[0-9A-Fa-f:.]+): (?P<err>[^\n]*)", re.IGNORECASE
-)
-INFOROM_RE = re.compile(r"WARNING: infoROM is corrupted at gpu (?P<addr>[0-9A-Fa-f:.]+)", re.IGNORECASE)
+# Every pattern here runs on one line cut to MAX_LINE characters, and none has two unbounded quantifiers
+# that can match the same text, so parsing is linear in the input (issue 12 item 10).
+BUS_ID_RE = re.compile(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]")
+DRIVER_RE = re.compile(r"(?:Driver|KMD) Version: {0,20}(?P<v>[0-9][0-9.]{0,30})")
+CUDA_RE = re.compile(r"CUDA (?:UMD )?Version: {0,20}(?P<v>[0-9][0-9.]{0,30})")
+HANDLE_PREFIX = "unable to determine the device handle for gpu"
+INFOROM_PREFIX = "warning: inforom is corrupted at gpu"
+ADDRESS_CHARS = frozenset("0123456789abcdefABCDEF:.")
+MAX_LINE = 1024  # the widest real table line is 91 characters; a longer line is cut before parsing
+MAX_TEXT = 4 << 20  # characters of output parsed at all (the runner reads at most this many bytes)
+MAX_INDEX_DIGITS = 4
 WHOLE_RUN_MESSAGES: tuple[tuple[str, str], ...] = (
     ("No devices were found", "no_devices"),
     ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver", "driver_unreachable"),
@@ -69,6 +72,8 @@ class SmiTable:
     handle_errors: list[tuple[str, str]] = field(default_factory=list)  # (address, error)
     inforom_corrupted: list[str] = field(default_factory=list)
     whole_run: list[tuple[str, str]] = field(default_factory=list)  # (kind, line)
+    duplicates: list[tuple[PciAddress, int, int]] = field(default_factory=list)  # (bus id, first index, index)
+    unattributed_err: list[str] = field(default_factory=list)  # ERR! that no GPU row owns
 
     @property
     def mig_devices(self) -> int:
@@ -110,22 +115,63 @@ def _err_fields_line2(cells: list[str]) -> list[str]:
     return out
 
 
+def _gpu_row(line: str) -> tuple[int, str, PciAddress, str, str] | None:
+    """(index, rest of cell 1, bus id, rest of cell 2, cell 3) of a GPU's first row
+    `|   0  NVIDIA H100 80GB HBM3   On  |   00000000:19:00.0 Off |   0 |`, else None."""
+    if not line.startswith("|"):
+        return None
+    cells = line.split("|", 4)
+    if len(cells) < 5:
+        return None
+    c1 = cells[1].split(None, 1)
+    c2 = cells[2].split(None, 1)
+    if not c1 or not c2 or not c1[0].isdigit() or len(c1[0]) > MAX_INDEX_DIGITS or not c1[0].isascii():
+        return None
+    if not BUS_ID_RE.fullmatch(c2[0]):
+        return None
+    addr = PciAddress.parse(c2[0])
+    if addr is None:
+        return None
+    return int(c1[0]), c1[1] if len(c1) > 1 else "", addr, c2[1] if len(c2) > 1 else "", cells[3]
+
+
+def _mig_row(line: str) -> tuple[int, int, int, int] | None:
+    """(gpu, gi, ci, mig dev) of a MIG device's first row `|  0    2   0   0  | ...`, else None."""
+    if not line.startswith("|"):
+        return None
+    ids = line.split("|", 2)[1].split()
+    if len(ids) != 4 or not all(t.isdigit() and t.isascii() and len(t) <= MAX_INDEX_DIGITS for t in ids):
+        return None
+    return int(ids[0]), int(ids[1]), int(ids[2]), int(ids[3])
+
+
+def _address_after(line: str, prefix: str) -> tuple[str, str] | None:
+    """For `<prefix> 0000:34:00.0: Unknown Error`, `<prefix>0000:91:00.0: ...` and the newer
+    `<prefix>1: 0000:34:00.0: ...` (a GPU index first): (address text, what follows). Case-insensitive."""
+    at = line.lower().find(prefix)
+    if at < 0:
+        return None
+    rest = line[at + len(prefix) :].lstrip(" ")
+    digits = len(rest) - len(rest.lstrip("0123456789"))
+    if 0 < digits <= MAX_INDEX_DIGITS and rest[digits : digits + 2] == ": ":
+        rest = rest[digits + 2 :].lstrip(" ")  # "GPU1: 0000:34:00.0": the index, then the address
+    n = 0
+    while n < len(rest) and rest[n] in ADDRESS_CHARS:
+        n += 1
+    token = rest[:n].rstrip(":.")
+    return token, rest[len(token) :].lstrip(":. ").strip()
+
+
 def parse_smi_table(text: str) -> SmiTable:
-    """Parses nvidia-smi's default output. Never raises; what it cannot read it leaves out."""
+    """Parses nvidia-smi's default output. Never raises; what it cannot read it leaves out. Linear in the
+    input: at most MAX_TEXT characters, each line cut to MAX_LINE, no backtracking patterns."""
     table = SmiTable()
-    if m := DRIVER_RE.search(text):
-        table.driver_version = m["v"]
-    if m := CUDA_RE.search(text):
-        table.cuda_version = m["v"]
-    for m in HANDLE_RE.finditer(text):
-        table.handle_errors.append((m["addr"], m["err"].strip()))
-    for m in INFOROM_RE.finditer(text):
-        table.inforom_corrupted.append(m["addr"])
+    text = text[:MAX_TEXT]
     for needle, kind in WHOLE_RUN_MESSAGES:
         idx = text.find(needle)
         if idx >= 0 and not any(k == "driver_library_mismatch" for k, _ in table.whole_run):
-            end = text.find("\n", idx)
-            table.whole_run.append((kind, text[idx : end if end >= 0 else None].strip()))
+            end = text.find("\n", idx, idx + MAX_LINE)
+            table.whole_run.append((kind, text[idx : end if end >= 0 else idx + MAX_LINE].strip()))
     if any(k == "driver_library_mismatch" for k, _ in table.whole_run):
         table.whole_run = [w for w in table.whole_run if w[0] != "nvml_init_failed"]
 
@@ -133,27 +179,41 @@ def parse_smi_table(text: str) -> SmiTable:
     current: SmiGpu | None = None
     line_in_block = 0
     by_index: dict[int, SmiGpu] = {}
+    by_address: dict[PciAddress, SmiGpu] = {}
+    mig_owner: tuple[SmiGpu | None, str] | None = None  # the MIG device whose block we are in
     for line in text.splitlines():
-        s = line.rstrip()
+        s = line[:MAX_LINE].rstrip()
+        if table.driver_version is None and "Version:" in s and (m := DRIVER_RE.search(s)):
+            table.driver_version = m["v"]
+        if table.cuda_version is None and "CUDA" in s and (m := CUDA_RE.search(s)):
+            table.cuda_version = m["v"]
+        if (h := _address_after(s, HANDLE_PREFIX)) is not None:
+            table.handle_errors.append(h)
+            continue
+        if (h := _address_after(s, INFOROM_PREFIX)) is not None:
+            table.inforom_corrupted.append(h[0])
+            continue
         if "MIG devices:" in s:
-            section, current = "mig", None
+            section, current, mig_owner = "mig", None, None
             table.mig_section = True
             continue
         if "Processes:" in s:
             section, current = "processes", None
             continue
         if section == "gpus":
-            m = GPU_ROW_RE.match(s)
-            if m:
-                rest = m["rest"]
+            row = _gpu_row(s)
+            if row is not None:
+                index, rest, addr, disp, c3 = row
                 tokens = rest.split()
                 name = " ".join(tokens[:-1]) if len(tokens) > 1 else (tokens[0] if tokens else "")
-                addr = PciAddress.parse(m["bus"])
-                if addr is None:
-                    continue
-                current = SmiGpu(int(m["index"]), name, addr, _err_fields_line1(rest, m["disp"], m["c3"]))
+                current = SmiGpu(index, name, addr, _err_fields_line1(rest, disp, c3))
+                first = by_address.get(addr)
+                if first is not None:
+                    table.duplicates.append((addr, first.index, index))
+                else:
+                    by_address[addr] = current
                 table.gpus.append(current)
-                by_index[current.index] = current
+                by_index.setdefault(index, current)
                 line_in_block = 1
                 continue
             if current is not None and s.startswith("|") and not s.startswith("|="):
@@ -171,11 +231,21 @@ def parse_smi_table(text: str) -> SmiTable:
             elif s.startswith("+") or not s.strip():
                 current = None
         elif section == "mig":
-            m = MIG_ROW_RE.match(s)
-            if m:
-                gpu = by_index.get(int(m["gpu"]))
+            mrow = _mig_row(s)
+            if mrow is not None:
+                gpu_index, gi, ci, dev = mrow
+                gpu = by_index.get(gpu_index)
+                mig_owner = (gpu, f"MIG device {dev} (GI {gi}, CI {ci})")
                 if gpu is not None:
                     gpu.mig_devices += 1
+            elif s.startswith("+") or not s.strip():
+                mig_owner = None
+            if ERR in s.replace("|", " ").split():
+                # A MIG device row or its continuation line shows ERR!: it belongs to that GPU.
+                if mig_owner is not None and mig_owner[0] is not None:
+                    mig_owner[0].err_fields.append(mig_owner[1])
+                else:
+                    table.unattributed_err.append("MIG devices section")
     return table
 
 
@@ -215,6 +285,18 @@ def smi_findings(table: SmiTable, exit_code: int, raw: str) -> list[Finding]:
                 kind=f"exit_code_{exit_code}",
             )
         )
+    for dup, first, index in table.duplicates:
+        out.append(
+            f(
+                Check.NVIDIA_SMI,
+                Reason.NVIDIA_SMI_FAILED,
+                f"nvidia-smi lists bus id {dup} twice (GPU {first} and GPU {index})",
+                dup,
+                kind="duplicate_bus_id",
+            )
+        )
+    for where in dict.fromkeys(table.unattributed_err):
+        out.append(f(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, f"ERR! in the {where}", kind="err_field"))
     for gpu in table.gpus:
         if gpu.err_fields:
             out.append(
@@ -240,43 +322,151 @@ def smi_findings(table: SmiTable, exit_code: int, raw: str) -> list[Finding]:
 
 @dataclass
 class SmiRun:
-    exit_code: int | None  # None: did not finish (timeout) or did not start
+    exit_code: int | None  # None: did not finish (timeout, output cap) or did not start
     output: str
     duration_s: float
     timed_out: bool = False
     error: str | None = None  # could not run at all (missing binary, still-hung previous run)
     hung_pid: int | None = None
+    output_capped: bool = False  # wrote more than the cap: reading stopped and the run was killed
+
+
+# The supervisor every nvidia-smi runs under (a separate small Python process, `python -I -S -c`). It is a
+# child subreaper (prctl PR_SET_CHILD_SUBREAPER), so every process nvidia-smi leaves behind, even one that
+# called setsid() to leave its process group, is re-parented to the supervisor when its parent exits; after
+# nvidia-smi exits (or on SIGTERM from the agent) the supervisor kills nvidia-smi's process group, then
+# kills and reaps its remaining children until none is left, and exits with nvidia-smi's exit code. It
+# writes `pid N` (or `error ERRNO TEXT`) to the status pipe. It dies with the agent (PR_SET_PDEATHSIG).
+# Only the agent's own nvidia-smi descendants are ever signalled; the agent itself stays an ordinary process.
+SUPERVISOR = r"""
+import ctypes, os, signal, sys
+status_fd, agent_pid, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+child = 0
+stop = False
+def on_term(signum, frame):
+    global stop
+    stop = True
+    if child:
+        try:
+            os.killpg(child, signal.SIGKILL)
+        except OSError:
+            pass
+signal.signal(signal.SIGTERM, on_term)
+if os.getppid() != agent_pid:
+    sys.exit(125)
+os.set_inheritable(status_fd, False)
+try:
+    child = os.posix_spawn(argv[0], argv, os.environ, setpgroup=0)
+except OSError as e:
+    os.write(status_fd, f"error {e.errno} {e.strerror}\n".encode())
+    sys.exit(127)
+os.write(status_fd, f"pid {child}\n".encode())
+os.close(status_fd)
+if stop:
+    on_term(0, None)
+os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)  # exited, not reaped: its group id cannot be reused yet
+try:
+    os.killpg(child, signal.SIGKILL)
+except OSError:
+    pass
+_, st = os.waitpid(child, 0)
+child = 0
+code = os.waitstatus_to_exitcode(st)
+me = os.getpid()
+def listed():  # this process has one thread, so its task's children file lists its children
+    try:
+        with open(f"/proc/{me}/task/{me}/children", "rb") as fh:
+            return [int(p) for p in fh.read().split()]
+    except OSError:
+        return []
+def scanned():  # the slow, complete way
+    kids = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return kids
+    for name in names:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as fh:
+                    if fh.read().rpartition(b")")[2].split()[1:2] == [str(me).encode()]:
+                        kids.append(int(name))
+            except OSError:
+                pass
+    return kids
+while True:
+    kids = listed()
+    if not kids:
+        try:
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            break  # no child left at all
+        kids = scanned()
+        if not kids:
+            break  # children exist but cannot be listed (no /proc): nothing more can be done
+    for pid in kids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+sys.exit(code if code >= 0 else 128 - code)
+"""
 
 
 class NvidiaSmiRunner:
-    """Runs nvidia-smi with a hard timeout. On timeout the child's process group is killed; a child
-    that cannot be reaped (D state) is abandoned, and no second nvidia-smi starts while it lives."""
+    """Runs nvidia-smi under a hard timeout and an output cap, under a supervisor that leaves no process
+    behind (see SUPERVISOR). On timeout or when the output passes the cap the supervisor is told to kill
+    everything; a run that cannot be reaped (nvidia-smi in D state) is abandoned, and no second nvidia-smi
+    starts while it lives."""
 
-    def __init__(self, path: str = "nvidia-smi", timeout_s: float = 30.0, reap_grace_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        path: str = "nvidia-smi",
+        timeout_s: float = 30.0,
+        reap_grace_s: float = 2.0,
+        max_output_bytes: int = MAX_TEXT,
+    ) -> None:
         self.path = path
         self.timeout_s = timeout_s
         self.reap_grace_s = reap_grace_s
-        self._abandoned: subprocess.Popen[bytes] | None = None
+        self.max_output_bytes = max_output_bytes
+        self._abandoned: tuple[subprocess.Popen[bytes], int] | None = None  # (supervisor, nvidia-smi pid)
         self._current: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
 
     def kill_running(self) -> None:
-        """Kills the nvidia-smi in flight, if any (on shutdown)."""
+        """Stops the nvidia-smi in flight, if any, and everything it started (on shutdown)."""
         p = self._current
         if p is not None and p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _signal(p.pid, signal.SIGTERM)
 
     def _still_hung(self) -> int | None:
-        p = self._abandoned
-        if p is None:
+        if self._abandoned is None:
             return None
-        if p.poll() is None:
-            return p.pid
+        sup, smi_pid = self._abandoned
+        if sup.poll() is None:
+            return smi_pid
         self._abandoned = None
         return None
+
+    def _resolve(self) -> tuple[str | None, str | None]:
+        """(executable, None) or (None, why it cannot run)."""
+        exe = shutil.which(self.path)
+        if exe is not None:
+            return exe, None
+        if os.sep in self.path and os.path.exists(self.path):
+            return None, f"cannot run {self.path!r}: not an executable file"
+        return None, f"nvidia-smi not found at {self.path!r}"
 
     def run(self) -> SmiRun:
         with self._lock:
@@ -290,61 +480,141 @@ class NvidiaSmiRunner:
                     error=f"a previous nvidia-smi (pid {hung}) is still hung; not starting another",
                     hung_pid=hung,
                 )
+            exe, why = self._resolve()
+            if exe is None:
+                return SmiRun(None, "", 0.0, error=why)
+            status_r, status_w = os.pipe()
             try:
                 proc = subprocess.Popen(
-                    [self.path],
+                    [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(status_w), str(os.getpid()), exe],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
+                    pass_fds=(status_w,),
                 )
-            except FileNotFoundError:
-                return SmiRun(None, "", 0.0, error=f"nvidia-smi not found at {self.path!r}")
             except OSError as e:
-                return SmiRun(None, "", 0.0, error=f"cannot run {self.path!r}: {e.strerror}")
+                os.close(status_r)
+                return SmiRun(None, "", 0.0, error=f"cannot start nvidia-smi's supervisor: {e.strerror}")
+            finally:
+                os.close(status_w)
             self._current = proc
             try:
-                out, _ = proc.communicate(timeout=self.timeout_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                try:
-                    out, _ = proc.communicate(timeout=self.reap_grace_s)
-                except subprocess.TimeoutExpired:
-                    self._abandoned = proc  # uninterruptible: leave it, remember it
-                    out = b""
-                return SmiRun(
-                    None,
-                    out.decode("utf-8", "replace"),
-                    time.monotonic() - start,
-                    timed_out=True,
-                    hung_pid=proc.pid if self._abandoned is proc else None,
-                )
-            return SmiRun(proc.returncode, out.decode("utf-8", "replace"), time.monotonic() - start)
+                return self._collect(proc, status_r, start)
+            finally:
+                os.close(status_r)
+                if proc.stdout is not None:
+                    proc.stdout.close()
+                self._current = None
+
+    def _collect(self, proc: subprocess.Popen[bytes], status_r: int, start: float) -> SmiRun:
+        deadline = start + self.timeout_s
+        out, capped, eof = _read_capped(proc, self.max_output_bytes, deadline)
+        finished = eof and _wait(proc, deadline - time.monotonic())
+        status = _read_status(status_r)
+        if status.startswith("error "):
+            _wait(proc, self.reap_grace_s)
+            return SmiRun(None, "", time.monotonic() - start, error=f"cannot run {self.path!r}: {status[6:].strip()}")
+        text = out.decode("utf-8", "replace")
+        if finished:
+            return SmiRun(proc.returncode, text, time.monotonic() - start)
+        # Timed out or wrote too much: the supervisor kills nvidia-smi and everything it started.
+        _signal(proc.pid, signal.SIGTERM)
+        if not _wait(proc, self.reap_grace_s):
+            smi_pid = int(status[4:]) if status.startswith("pid ") and status[4:].strip().isdigit() else proc.pid
+            self._abandoned = (proc, smi_pid)  # nvidia-smi cannot be killed (D state): remember it
+        hung_pid = self._abandoned[1] if self._abandoned is not None and self._abandoned[0] is proc else None
+        return SmiRun(
+            None, text, time.monotonic() - start, timed_out=not capped, hung_pid=hung_pid, output_capped=capped
+        )
 
 
-def probe_nvidia_smi(runner: NvidiaSmiRunner) -> tuple[list[Finding], SmiTable | None, SmiRun]:
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    try:
+        proc.wait(timeout=max(timeout, 0.0))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _read_capped(proc: subprocess.Popen[bytes], cap: int, deadline: float) -> tuple[bytes, bool, bool]:
+    """Reads stdout until EOF, the deadline or the cap: (first `cap` bytes at most, capped, reached EOF)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    buf = bytearray()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return bytes(buf), False, False
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return bytes(buf), False, True
+        if len(buf) + len(chunk) > cap:
+            buf += chunk[: cap - len(buf)]
+            return bytes(buf), True, False
+        buf += chunk
+
+
+def _read_status(fd: int) -> str:
+    """The supervisor's one status line, if it wrote one (never blocks)."""
+    ready, _, _ = select.select([fd], [], [], 0)
+    if not ready:
+        return ""
+    try:
+        return os.read(fd, 512).decode("utf-8", "replace").split("\n", 1)[0]
+    except OSError:
+        return ""
+
+
+def probe_nvidia_smi(runner: NvidiaSmiRunner) -> ProbeResult:
+    """One nvidia-smi run as a ProbeResult: `ran` is False (and `count` None) when no GPU table came back."""
     run = runner.run()
     if run.error is not None:
         if run.hung_pid is not None:
-            return ([Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_FAILED, run.error, kind="hung")], None, run)
-        return [Finding.unchecked(Check.NVIDIA_SMI, run.error, kind="not_found")], None, run
+            hung = Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_FAILED, run.error, kind="hung")
+            return ProbeResult(Check.NVIDIA_SMI, (hung,), ran=False)
+        missing = Finding.unchecked(Check.NVIDIA_SMI, run.error, kind="not_found")
+        return ProbeResult(Check.NVIDIA_SMI, (missing,), ran=False)
     if run.timed_out:
         state = " and could not be killed (D state)" if run.hung_pid else ""
-        return (
-            [
-                Finding.fault(
-                    Check.NVIDIA_SMI,
-                    Reason.NVIDIA_SMI_FAILED,
-                    f"nvidia-smi timed out after {runner.timeout_s:g}s{state}",
-                    kind="timeout",
-                )
-            ],
-            None,
-            run,
+        timeout = Finding.fault(
+            Check.NVIDIA_SMI,
+            Reason.NVIDIA_SMI_FAILED,
+            f"nvidia-smi timed out after {runner.timeout_s:g}s{state}",
+            kind="timeout",
         )
+        return ProbeResult(Check.NVIDIA_SMI, (timeout,), ran=False, timed_out=True)
+    if run.output_capped:
+        too_large = Finding.fault(
+            Check.NVIDIA_SMI,
+            Reason.NVIDIA_SMI_FAILED,
+            f"nvidia-smi wrote more than {runner.max_output_bytes} bytes; stopped reading and killed it",
+            kind="output_too_large",
+        )
+        return ProbeResult(Check.NVIDIA_SMI, (too_large,), ran=False)
     assert run.exit_code is not None
     table = parse_smi_table(run.output)
-    return smi_findings(table, run.exit_code, run.output), table, run
+    findings = tuple(smi_findings(table, run.exit_code, run.output))
+    if any(f.severity is Severity.UNCHECKED for f in findings):
+        return ProbeResult(Check.NVIDIA_SMI, findings, ran=False)
+    gpus = tuple(
+        GpuIdentity(
+            g.address,
+            g.index,
+            g.name,
+            None if g.mig_mode not in ("Enabled", "Disabled") else g.mig_mode == "Enabled",
+            g.mig_devices,
+        )
+        for g in table.gpus
+    )
+    return ProbeResult(Check.NVIDIA_SMI, findings, gpus, len(gpus))

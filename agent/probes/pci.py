@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.model import Check, Finding, PciAddress
+from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult
 
 NVIDIA_VENDOR = 0x10DE
 GPU_CLASSES = (0x0300, 0x0302)
@@ -23,8 +23,10 @@ class PciGpu:
 
 
 def _read_hex(path: Path) -> int | None:
+    """A sysfs attribute such as `0x10de`; at most 64 bytes are read (a real one is under 10)."""
     try:
-        return int(path.read_text().strip(), 16)
+        with open(path, "rb") as fh:
+            return int(fh.read(64).strip(), 16)
     except (OSError, ValueError):
         return None
 
@@ -52,13 +54,12 @@ def list_pci_gpus(sysfs_root: str = "/sys") -> list[PciGpu]:
     return gpus
 
 
-def probe_pci(sysfs_root: str = "/sys") -> tuple[list[Finding], list[PciGpu] | None]:
+def probe_pci(sysfs_root: str = "/sys") -> ProbeResult:
     try:
         gpus = list_pci_gpus(sysfs_root)
     except OSError as e:
-        return [Finding.unchecked(Check.PCI, f"cannot read PCI devices under {sysfs_root}: {e.strerror}")], None
-    findings = []
-    for g in gpus:
-        if g.driver is None:
-            findings.append(Finding.info(Check.PCI, "GPU has no driver bound", g.address, kind="no_driver"))
-    return findings, gpus
+        why = Finding.unchecked(Check.PCI, f"cannot read PCI devices under {sysfs_root}: {e.strerror}")
+        return ProbeResult(Check.PCI, (why,), ran=False)
+    unbound = [g for g in gpus if g.driver is None]
+    findings = tuple(Finding.info(Check.PCI, "GPU has no driver bound", g.address, kind="no_driver") for g in unbound)
+    return ProbeResult(Check.PCI, findings, tuple(GpuIdentity(g.address) for g in gpus), len(gpus))

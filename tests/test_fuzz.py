@@ -1,0 +1,294 @@
+"""Fuzz suite (issue 12): every parser and `gpu-ready check` on arbitrary input. Each property asserts that
+no exception escapes, that nothing reads healthy when its check could not run, and a time bound per input.
+
+The budget is fixed (max_examples per test, no shrinking database), so the whole file costs well under a
+minute on two busy cores; `HYPOTHESIS_PROFILE=fuzz-long` runs ten times more examples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent import config
+from agent.cli import main as cli_main
+from agent.model import PciAddress, Severity
+from agent.probes.device_plugin import plugin_counts, plugin_findings
+from agent.probes.kmsg import MAX_RECORD, KmsgSource, format_record, parse_record
+from agent.probes.nvidia_smi import parse_smi_table, smi_findings
+from agent.xid import KernelLogParser
+from testkit.simhost import SimHost
+from tests.conftest import FIXTURES
+
+settings.register_profile(
+    "fuzz",
+    deadline=None,  # time is bounded by explicit asserts with a margin for a loaded machine instead
+    database=None,
+    derandomize=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
+settings.register_profile("fuzz-long", parent=settings.get_profile("fuzz"), max_examples=2000)
+PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "fuzz"))
+
+
+def budget(n: int) -> settings:
+    return settings(PROFILE, max_examples=n if PROFILE.max_examples == 100 else PROFILE.max_examples)
+
+
+PARSE_S = 1.0  # per input, for inputs of up to a few MB, with room for a loaded 2-core machine
+
+
+def timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
+
+
+# -- building blocks: real lines from every captured sample, mutated, plus pathological shapes ----------------------
+
+SMI_LINES = sorted(
+    {
+        line
+        for p in FIXTURES.glob("smi-*.txt")
+        for line in p.read_text(encoding="utf-8", errors="replace").splitlines()[:400]
+        if line.strip()
+    }
+)
+KMSG_LINES = sorted(
+    {
+        line
+        for p in [*FIXTURES.glob("xid-*.txt"), *FIXTURES.glob("nvrm-*.txt"), *FIXTURES.glob("kmsg-*.txt")]
+        for line in p.read_text(encoding="utf-8", errors="replace").splitlines()[:400]
+        if line.strip()
+    }
+)
+TOKENS = ["|", " ", "ERR!", "N/A", ":", ".", "0", "9" * 30, "\t", "\x00", "\u2502", "MIG devices:", "Processes:", "+--"]
+
+
+@st.composite
+def mutated(draw: st.DrawFn, lines: list[str]) -> str:
+    line = draw(st.sampled_from(lines))
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, len(line)))
+        op = draw(st.sampled_from(["insert", "delete", "repeat"]))
+        if op == "insert":
+            line = line[:at] + draw(st.sampled_from(TOKENS) | st.text(max_size=8)) + line[at:]
+        elif op == "delete":
+            line = line[:at] + line[at + draw(st.integers(0, 10)) :]
+        else:
+            line = line[:at] + line[at : at + 3] * draw(st.integers(1, 3000)) + line[at:]
+    return line
+
+
+PATHOLOGICAL = st.sampled_from(
+    [
+        "|   0 " + " " * 200_000 + "x|",
+        "|" * 100_000,
+        "| 0 " + "ERR! " * 50_000 + "|",
+        "Unable to determine the device handle for GPU" + "0" * 100_000,
+        "Unable to determine the device handle for GPU" + "1: " * 30_000,
+        "Driver Version: " + " " * 100_000,
+        "|  0    1   0   0  |" + " 0 " * 40_000,
+        "NVRM: Xid (" + "0" * 100_000,
+        "NVRM: Xid (PCI:0000:3b:00): " + "9" * 5_000 + ", pid=1",
+        "NVRM: Xid (PCI:0000:3b:00" + " " * 100_000,
+        "nvidia-nvswitch0: SXid (PCI:" + "0:" * 50_000,
+        "NVRM: GPU " + "0" * 100_000,
+    ]
+)
+
+smi_text = st.lists(
+    mutated(SMI_LINES) | st.sampled_from(SMI_LINES) | st.text(max_size=200) | PATHOLOGICAL, max_size=60
+).map("\n".join)
+kmsg_text = mutated(KMSG_LINES) | st.sampled_from(KMSG_LINES) | st.text(max_size=300) | PATHOLOGICAL
+
+json_value = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=12), kids, max_size=4),
+    max_leaves=20,
+)
+quantity = st.sampled_from(["0", "1", "8", "80", "1k", "2Ki", "-1", "8.5", "", "abc", "9" * 40]) | json_value
+resources = st.dictionaries(
+    st.sampled_from(["nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-1g.10gb", "cpu", "memory"]),
+    quantity,
+    max_size=4,
+)
+labels = st.dictionaries(
+    st.sampled_from(["nvidia.com/mig.strategy", "nvidia.com/gpu.replicas", "nvidia.com/gpu.present", "x"]),
+    st.sampled_from(["none", "single", "mixed", "4", "0", "many", ""]) | json_value,
+    max_size=3,
+)
+node_like = st.fixed_dictionaries(
+    {},
+    optional={
+        "kind": st.sampled_from(["Node", "Pod"]) | json_value,
+        "metadata": st.fixed_dictionaries({}, optional={"labels": labels | json_value}) | json_value,
+        "status": st.fixed_dictionaries({}, optional={"capacity": resources, "allocatable": resources}) | json_value,
+    },
+)
+any_node = node_like | json_value
+
+
+# -- nvidia-smi table ------------------------------------------------------------------------------------------------
+
+
+@budget(150)
+@given(smi_text, st.integers(-300, 300))
+def test_smi_parser(text: str, rc: int) -> None:
+    table, took = timed(parse_smi_table, text)
+    assert took < PARSE_S, f"{took:.2f}s for {len(text)} chars"
+    findings = smi_findings(table, rc, text)
+    addresses = {g.address for g in table.gpus}
+    for f in findings:
+        assert f.gpu is None or isinstance(f.gpu, PciAddress)
+        if f.kind == "err_field" and f.gpu is not None:
+            assert f.gpu in addresses
+    if not table.gpus:  # no GPU table: never an all-clear
+        assert findings and all(f.severity is not Severity.INFO for f in findings)
+    if rc != 0:
+        assert any(f.severity is Severity.FAULT for f in findings)
+
+
+# -- kernel log: record parser, file reader, Xid parser ----------------------------------------------------------
+
+
+@budget(150)
+@given(kmsg_text, st.integers(0, 2**64), st.integers(0, 23), st.integers(0, 7))
+def test_kmsg_record_parser(text: str, seq: int, facility: int, level: int) -> None:
+    raw = text if text.count(";") % 2 else format_record(text.replace("\n", " "), seq, 0, facility, level)
+    rec, took = timed(parse_record, raw)
+    assert took < PARSE_S
+    if rec is not None:
+        assert len(rec.text) <= MAX_RECORD and "\n" not in rec.text
+
+
+@budget(60)
+@given(st.lists(kmsg_text | st.binary(max_size=300).map(lambda b: b.decode("latin-1")), max_size=20))
+def test_kmsg_file_reader(lines: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "kmsg"
+        data = "\n".join(lines)
+        path.write_bytes(data.encode("utf-8", "surrogateescape"))
+        src = KmsgSource(str(path))
+        try:
+            out, took = timed(lambda: [r for batch in src.drain() for r in batch])
+        finally:
+            src.close()
+    assert took < PARSE_S * 4
+    assert len(out) <= data.count("\n") + 1 and all(len(r.text) <= MAX_RECORD for r in out)
+    assert len(src._buf) <= MAX_RECORD
+
+
+@budget(150)
+@given(st.lists(kmsg_text, max_size=12))
+def test_kernel_log_parser(lines: list[str]) -> None:
+    parser = KernelLogParser()
+    for line in lines:
+        events, took = timed(parser.feed, line[:MAX_RECORD])
+        assert took < PARSE_S, f"{took:.2f}s for {line[:80]!r}"
+        for ev in events:
+            assert isinstance(ev.fatal, bool) and isinstance(ev.xid, int)
+            assert ev.address is None or isinstance(ev.address, PciAddress)
+
+
+@budget(300)
+@given(st.text(max_size=60) | st.sampled_from(["0000:3b:00", "PCI:0000:3B:00.0", "00000000:3b:00.7", "3b:00"]))
+def test_pci_address(text: str) -> None:
+    a = PciAddress.parse(text)
+    if a is not None:
+        assert PciAddress.parse(a.nvml) == a == PciAddress.parse(a.kernel)
+
+
+# -- device-plugin counting over any JSON --------------------------------------------------------------------------
+
+
+@budget(300)
+@given(any_node, st.sampled_from(["auto", "none", "single", "mixed"]), st.none() | st.integers(1, 64))
+def test_plugin_counting(node: Any, strategy: str, replicas: int | None) -> None:
+    pc, took = timed(plugin_counts, node, None, strategy, replicas)
+    assert took < PARSE_S
+    findings = plugin_findings(pc, True, 0)
+    if pc.malformed is not None:
+        assert [f.severity for f in findings] == [Severity.UNCHECKED]
+    else:
+        assert isinstance(node, dict)
+        assert all(isinstance(v, int) and v >= 0 for v in [*pc.capacity.values(), *pc.allocatable.values()])
+        assert pc.physical is None or (isinstance(pc.physical, int) and pc.physical >= 0)
+        if not pc.capacity:  # nothing advertised: never reads as a serving plugin
+            assert findings and findings[0].severity is Severity.FAULT
+
+
+# -- configuration ------------------------------------------------------------------------------------------------
+
+
+@budget(200)
+@given(st.sampled_from(config.SETTINGS), st.text(max_size=40) | st.sampled_from(["nan", "inf", "-1", "1e999", "0"]))
+def test_config_environment_values(setting: config.Setting, value: str) -> None:
+    try:
+        cfg = config.load(None, environ={setting.env_name: value})
+    except config.ConfigError as e:
+        assert str(e) and "\n" not in str(e).strip()
+        return
+    v = getattr(cfg, setting.name)
+    if isinstance(v, float):
+        assert v == v and v not in (float("inf"), float("-inf")), f"{setting.name} accepted {value!r}"
+
+
+@budget(60)
+@given(json_value | st.text(max_size=200))
+def test_config_file_contents(doc: Any) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "config.yaml"
+        path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+        with contextlib.suppress(config.ConfigError):
+            config.load(None, environ={"GPU_READY_CONFIG": str(path)})
+
+
+# -- the CLI: `gpu-ready check` with any Node JSON and any nvidia-smi output -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> SimHost:
+    h = SimHost(tmp_path_factory.mktemp("fuzzhost") / "host")
+    # A stand-in that costs a shell start, not a Python start: it prints `out` and exits with `rc`.
+    h.nvidia_smi.write_text(f'#!/bin/sh\ncat "{h.root}/out"\nexit "$(cat "{h.root}/rc")"\n')
+    return h
+
+
+@budget(30)
+@given(
+    node=any_node | st.text(max_size=50),
+    smi=smi_text | st.sampled_from([p.name for p in FIXTURES.glob("smi-table-*.txt")]),
+    rc=st.sampled_from([0, 0, 0, 1, 6, 9, 14, 15, 255]),
+)
+def test_check_cli(host: SimHost, node: Any, smi: str, rc: int) -> None:
+    if smi.startswith("smi-table-") and smi.endswith(".txt"):
+        smi = (FIXTURES / smi).read_text()
+    (host.root / "out").write_text(smi, encoding="utf-8", errors="surrogateescape")
+    (host.root / "rc").write_text(str(rc))
+    node_path = host.root / "node.json"
+    node_path.write_text(node if isinstance(node, str) else json.dumps(node))
+    out, err = io.StringIO(), io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(["check", *host.check_args(), "--json", "--node-json", str(node_path)])
+    assert time.perf_counter() - t0 < 20
+    assert code in (0, 1, 2) and "Traceback" not in out.getvalue() + err.getvalue()
+    if not out.getvalue().strip():  # refused as bad input: one line, exit 2
+        assert code == 2 and len(err.getvalue().strip().splitlines()) == 1
+        return
+    verdict = json.loads(out.getvalue())
+    assert {"True": 0, "False": 1, "Unknown": 2}[verdict["status"]] == code
+    if verdict["status"] == "True":  # only when every check could run and saw GPUs
+        assert plugin_counts(json.loads(node_path.read_text()), None).malformed is None
+        assert parse_smi_table(smi).gpus and rc == 0
