@@ -22,20 +22,31 @@ def create_node(
     capacity: dict[str, str] | None = None,
     allocatable: dict[str, str] | None = None,
     unschedulable: bool = False,
+    annotations: dict[str, str] | None = None,
+    taints: list[dict[str, str]] | None = None,
+    spec: dict[str, Any] | None = None,
+    status: dict[str, Any] | None = None,
+    conditions: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """A Node with the given labels, capacity and allocatable, and a kubelet-style Ready condition."""
-    api.request(
-        "POST",
-        "/api/v1/nodes",
-        {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
-            "spec": {"unschedulable": unschedulable},
-        },
-    )
+    """A Node with the given labels, capacity and allocatable, and a kubelet-style Ready condition; `status`
+    adds status fields (addresses, nodeInfo, ...) and `conditions` more conditions after Ready."""
+    meta: dict[str, Any] = {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}}
+    if annotations:
+        meta["annotations"] = annotations
+    node_spec: dict[str, Any] = {"unschedulable": unschedulable, **(spec or {})}
+    if taints:
+        node_spec["taints"] = taints
+    api.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": meta, "spec": node_spec})
     base = {"cpu": "16", "memory": "128Gi", "pods": "110"}
     t = now_rfc3339()
+    ready = {
+        "type": "Ready",
+        "status": "True",
+        "reason": "KubeletReady",
+        "message": "kubelet is posting ready status",
+        "lastHeartbeatTime": t,
+        "lastTransitionTime": t,
+    }
     return api.patch_node_status(
         name,
         {
@@ -43,15 +54,10 @@ def create_node(
                 "capacity": {**base, **(capacity or {})},
                 "allocatable": {**base, **(allocatable if allocatable is not None else capacity or {})},
                 "conditions": [
-                    {
-                        "type": "Ready",
-                        "status": "True",
-                        "reason": "KubeletReady",
-                        "message": "kubelet is posting ready status",
-                        "lastHeartbeatTime": t,
-                        "lastTransitionTime": t,
-                    }
+                    ready,
+                    *({"lastHeartbeatTime": t, "lastTransitionTime": t, **c} for c in conditions or []),
                 ],
+                **(status or {}),
             }
         },
     )
@@ -69,6 +75,37 @@ def ensure_namespace(api: KubeApi, name: str) -> None:
         api.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
 
 
+def bound_token(
+    api: KubeApi, namespace: str, service_account: str, node: str | None = None, expiration_s: int = 3600
+) -> tuple[str, str | None]:
+    """A TokenRequest token for an existing ServiceAccount; with `node`, bound to a new Pod on that node (the
+    token then carries the claim authentication.kubernetes.io/node-name). Returns (token, pod name)."""
+    spec: dict[str, Any] = {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": expiration_s}
+    pod_name = None
+    if node is not None:
+        pod_name = f"{service_account}-{secrets.token_hex(3)}"[-63:].lstrip("-.")
+        pod = api.request(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/pods",
+            {
+                "metadata": {"name": pod_name},
+                "spec": {
+                    "nodeName": node,
+                    "serviceAccountName": service_account,
+                    "automountServiceAccountToken": False,
+                    "containers": [{"name": "agent", "image": "gpu-ready:test"}],
+                },
+            },
+        )
+        spec["boundObjectRef"] = {"kind": "Pod", "apiVersion": "v1", "name": pod_name, "uid": pod["metadata"]["uid"]}
+    tr = api.request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/serviceaccounts/{service_account}/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
+    )
+    return str(tr["status"]["token"]), pod_name
+
+
 def service_account_client(
     api: KubeApi,
     rules: list[dict[str, Any]] | None = None,
@@ -77,10 +114,12 @@ def service_account_client(
     name: str = "gpu-ready",
     pod_on_node: str | None = None,
     expiration_s: int = 3600,
+    namespace_rules: dict[str, list[dict[str, Any]]] | None = None,
 ) -> tuple[KubeApi, dict[str, Any]]:
-    """Creates a ServiceAccount bound to a ClusterRole (given by name, or made from `rules`) and
-    returns a client that authenticates with a TokenRequest token, optionally bound to a Pod
-    scheduled on `pod_on_node` (the token then carries that node's name)."""
+    """Creates a ServiceAccount bound to a ClusterRole (given by name, or made from `rules`) and, per
+    namespace in `namespace_rules`, to a Role made from those rules (the chart's Events Role: see
+    AGENT_EVENT_RULES); returns a client that authenticates with a TokenRequest token, optionally bound
+    to a Pod scheduled on `pod_on_node` (the token then carries that node's name)."""
     ns = namespace or f"t-{secrets.token_hex(4)}"
     ensure_namespace(api, ns)
     with contextlib.suppress(ApiError):
@@ -101,39 +140,57 @@ def service_account_client(
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
         },
     )
-    spec: dict[str, Any] = {"audiences": [], "expirationSeconds": expiration_s}
-    info: dict[str, Any] = {"namespace": ns, "service_account": name, "cluster_role": cluster_role}
-    if pod_on_node is not None:
-        pod_name = f"{name}-{secrets.token_hex(3)}"
-        pod = api.request(
+    for role_ns, role_rules in (namespace_rules or {}).items():
+        ensure_namespace(api, role_ns)
+        role = f"{ns}-{name}-{secrets.token_hex(3)}"
+        api.request(
             "POST",
-            f"/api/v1/namespaces/{ns}/pods",
+            f"/apis/rbac.authorization.k8s.io/v1/namespaces/{role_ns}/roles",
+            {"metadata": {"name": role}, "rules": role_rules},
+        )
+        api.request(
+            "POST",
+            f"/apis/rbac.authorization.k8s.io/v1/namespaces/{role_ns}/rolebindings",
             {
-                "metadata": {"name": pod_name},
-                "spec": {
-                    "nodeName": pod_on_node,
-                    "serviceAccountName": name,
-                    "containers": [{"name": "agent", "image": "gpu-ready:test"}],
-                },
+                "metadata": {"name": role},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
+                "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
             },
         )
-        spec["boundObjectRef"] = {"kind": "Pod", "apiVersion": "v1", "name": pod_name, "uid": pod["metadata"]["uid"]}
-        info["pod"] = pod_name
-    spec["audiences"] = ["https://kubernetes.default.svc"]
-    tr = api.request(
-        "POST",
-        f"/api/v1/namespaces/{ns}/serviceaccounts/{name}/token",
-        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
-    )
-    token = tr["status"]["token"]
+    info: dict[str, Any] = {"namespace": ns, "service_account": name, "cluster_role": cluster_role}
+    token, pod = bound_token(api, ns, name, pod_on_node, expiration_s)
+    if pod is not None:
+        info["pod"] = pod
     info["token"] = token
     cfg = api.configuration
     client = KubeApi.from_token(cfg.host, token, cfg.ssl_ca_cert)
     return client, info
 
 
+# AGENT_RULES: the agent's rules as one ClusterRole, Events in every namespace included. The chart no longer
+# grants that (Events only in one namespace: AGENT_CLUSTER_RULES + AGENT_EVENT_RULES below); kept for the
+# harness until it runs the agent with GPU_READY_EVENT_NAMESPACE and the namespaced Role.
 AGENT_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
     {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
     {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-]  # the same rules as the chart's ClusterRole (charts/gpu-ready/templates/rbac.yaml)
+]
+
+# The chart's RBAC exactly (tests/test_security.py asserts these equal the rendered templates):
+# ClusterRole rules of the agent (taints off; with taints.enabled "patch" is added on nodes) ...
+AGENT_CLUSTER_RULES: list[dict[str, Any]] = [
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+    {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
+]
+# ... and its Role in the Events namespace (events.namespace, "default": the only namespaces besides kube-system
+# where the apiserver accepts Events about a Node). Use: service_account_client(admin, AGENT_CLUSTER_RULES,
+# namespace_rules={EVENT_NAMESPACE: AGENT_EVENT_RULES}, pod_on_node=node), and run the agent with
+# GPU_READY_EVENT_NAMESPACE=EVENT_NAMESPACE.
+EVENT_NAMESPACE = "default"
+AGENT_EVENT_RULES: list[dict[str, Any]] = [
+    {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+]
+PREFLIGHT_CLUSTER_RULES: list[dict[str, Any]] = [
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+]
+PREFLIGHT_EVENT_RULES = AGENT_EVENT_RULES

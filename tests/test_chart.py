@@ -60,6 +60,14 @@ VALUE_SETS = {
         "--set",
         "priorityClassName=",
     ],
+    "taints": [
+        "--set",
+        "taints.enabled=true",
+        "--set",
+        "conditionType=nvidia.com/GPUReady",
+        "--set",
+        "events.namespace=kube-system",
+    ],
     "preflight": [
         "--set",
         "preflight.enabled=true",
@@ -106,7 +114,8 @@ def test_default_manifest_shape():
     spec = ds["spec"]["template"]["spec"]
     c = spec["containers"][0]
     sc = c["securityContext"]
-    assert sc["readOnlyRootFilesystem"] is True and sc["privileged"] is False
+    default_privileged = yaml.safe_load((CHART / "values.yaml").read_text())["agent"]["privileged"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["privileged"] is default_privileged
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG"]}
     assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == "10%"
@@ -128,9 +137,14 @@ def test_default_manifest_shape():
     assert rules == [
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
-        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
     ]
-    assert ("ValidatingAdmissionPolicy", "gpu-ready-own-node-only") in docs
+    events = docs[("Role", "gpu-ready-events")]
+    assert events["metadata"]["namespace"] == "default"  # Events about a Node: default or kube-system only
+    assert events["rules"] == [{"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]}]
+    assert env["GPU_READY_EVENT_NAMESPACE"]["value"] == "default"
+    for policy in ("own-node-only", "own-events-only"):
+        assert ("ValidatingAdmissionPolicy", f"gpu-ready-{policy}") in docs
+        assert ("ValidatingAdmissionPolicyBinding", f"gpu-ready-{policy}") in docs
 
 
 def test_configmap_is_a_valid_agent_config(tmp_path):
@@ -144,7 +158,7 @@ def test_configmap_is_a_valid_agent_config(tmp_path):
     f = tmp_path / "config.yaml"
     f.write_text(cm["data"]["config.yaml"])
     cfg = config.load(None, environ={"GPU_READY_CONFIG": str(f)})
-    assert (cfg.expected_gpus, cfg.xid_ignore, cfg.poll_interval) == (8, [109, 63], 30.0)
+    assert (cfg.expected_gpus, list(cfg.xid_ignore), cfg.poll_interval) == (8, [109, 63], 30.0)
 
 
 def test_chart_rules_and_dashboard_are_the_shipped_files():

@@ -4,6 +4,8 @@ real apiserver (label, annotations, cordon/uncordon, Event), and the agent's req
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -169,13 +171,15 @@ def node_obj(admin, name):
 
 
 @pytest_apiserver
-def test_passing_preflight_labels_and_uncordons(admin, make_node):
+def test_passing_preflight_labels_and_uncordons(control_plane, admin, make_node):
     node = make_node(labels={"nvidia.com/gpu.present": "true", "gpu-ready.io/needs-preflight": "true"})
-    seen_cordoned = []
 
-    def spec():
-        seen_cordoned.append(node_obj(admin, node)[2])
-        return GateResult("spec", PASS, "8 GPUs match", {"gpus": 8})
+    def spec():  # runs in the gate's own process: its own client, its observation in the evidence
+        api = control_plane.admin()
+        try:
+            return GateResult("spec", PASS, "8 GPUs match", {"cordoned": node_obj(api, node)[2]})
+        finally:
+            api.close()
 
     gates = {
         "spec": spec,
@@ -184,8 +188,8 @@ def test_passing_preflight_labels_and_uncordons(admin, make_node):
         "cuda": lambda: GateResult("cuda", PASS),
         "serving": lambda: GateResult("serving", SKIP, "not configured"),
     }
-    ok, _ = onboard(admin, node, gates, Profile.from_mapping({}), needs_label="gpu-ready.io/needs-preflight")
-    assert ok and seen_cordoned == [True], "the node is cordoned while the gates run"
+    ok, results = onboard(admin, node, gates, Profile.from_mapping({}), needs_label="gpu-ready.io/needs-preflight")
+    assert ok and results[0].evidence["cordoned"] is True, "the node is cordoned while the gates run"
     labels, ann, cordoned = node_obj(admin, node)
     assert labels["preflight"] == "passed" and "gpu-ready.io/needs-preflight" not in labels
     assert not cordoned and CORDONED_BY not in ann
@@ -301,7 +305,7 @@ def test_burnin_command_watched_clean_passes(simhost):
 
     gpus = [{"busId": "00000000:19:00.0", "remap": (0, 0, 0, 0), "throttle": 0x4 | 0x20}]  # power + thermal cap
     gates = build_gates(_burnin_profile("sleep 1.5"), "nvidia-smi", None, fake_nvml(gpus), str(simhost.kmsg))
-    r = run_gates({"burnin": gates["burnin"]}, {})[0]
+    r = run_gates({"burnin": gates["burnin"]}, {})[0]  # in its own process: the stand-in is forked with it
     assert r.status == PASS and r.evidence["watch"] == []
 
 
@@ -331,7 +335,7 @@ def test_burnin_watch_fails_on_each_fault(simhost, change, needle):
 
     t = threading.Thread(target=fault_midway)
     t.start()
-    r = run_gates({"burnin": gates["burnin"]}, {})[0]
+    r = gates["burnin"]()  # in this process, so that the fault injected into the NVML stand-in is seen
     t.join()
     assert r.status == FAIL and needle in r.reason, r.reason
     assert "Xid 79" not in r.reason
@@ -358,3 +362,238 @@ def test_spec_reads_nvml_first_and_falls_back_to_nvidia_smi(simhost):
     got, cuda, source = read_spec(str(simhost.nvidia_smi), broken)
     assert source == "nvidia-smi" and len(got) == 8
     assert read_spec(str(simhost.nvidia_smi), None)[2] == "nvidia-smi"
+
+
+# -- profile types (issue 11: `gpuCount: "8"` failed with "expected 8 GPUs, found 8") -----------------------
+
+
+def test_profile_values_are_converted_to_their_types(simhost):
+    p = Profile.from_mapping({**H100, "gpuCount": "8", "pcieGen": "5", "eccEnabled": "true", "burnInSeconds": "60"})
+    assert (p.gpu_count, p.pcie_gen, p.ecc_enabled, p.burnin_seconds) == (8, 5, True, 60.0)
+    gpus, cuda = read_spec_nvidia_smi(str(simhost.nvidia_smi))
+    r = check_spec(p, gpus, cuda)
+    assert r.status == PASS, r.reason
+
+
+@pytest.mark.parametrize(
+    ("profile", "needle"),
+    [
+        ({"gpuCount": "eight"}, "gpuCount"),
+        ({"gpuCount": 8.5}, "gpuCount"),
+        ({"gpuCount": True}, "gpuCount"),
+        ({"gpuCount": -1}, "gpuCount"),
+        ({"driverVersion": 550.9}, "driverVersion"),
+        ({"cudaVersion": "about 12"}, "cudaVersion"),
+        ({"eccEnabled": "maybe"}, "eccEnabled"),
+        ({"migMode": "on"}, "migMode"),
+        ({"timeouts": {"burnin": "nan"}}, "timeouts"),
+        ({"timeouts": {"burnin": 0}}, "timeouts"),
+        ({"allowSkip": "serving"}, "allowSkip"),
+        ({"serving": {"command": "x", "expectOutput": "("}}, "serving"),
+        ({"serving": {"cmd": "x"}}, "serving"),
+        ({"p2pMinGBps": "inf"}, "p2pMinGBps"),
+    ],
+)
+def test_bad_profile_values_name_the_key(profile, needle):
+    with pytest.raises(ProfileError, match=needle):
+        Profile.from_mapping(profile)
+
+
+def test_bad_profile_exits_2_with_one_line_and_a_string_count_passes(simhost, tmp_path):
+    prof = tmp_path / "p.yaml"
+    base = [sys.executable, "-m", "agent.cli", "preflight", "--profile", str(prof), "--gates", "spec"]
+    prof.write_text('gpuCount: "eight"\n')
+    r = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "gpuCount" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    prof.write_text('gpuCount: "8"\ngpuModel: H100\n')
+    r = subprocess.run([*base, "--nvidia-smi", str(simhost.nvidia_smi)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "8 GPUs match the profile" in r.stdout, r.stdout + r.stderr
+
+
+# -- process groups: a gate or command that overruns is killed with everything it started ------------------
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def pids_in(path) -> list[int]:
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def test_timed_out_gate_is_killed_with_its_tree_before_the_next_gate(tmp_path):
+    pids, ticks = tmp_path / "pids", tmp_path / "ticks"
+    script = (
+        f"sleep 300 & echo $! >> {pids}; setsid sleep 300 & echo $! >> {pids}; "
+        f"while :; do echo tick >> {ticks}; sleep 0.05; done"
+    )
+
+    def runaway():
+        import subprocess as sp
+
+        sp.Popen(["sh", "-c", script])
+        time.sleep(300)
+        return GateResult("burnin", PASS)
+
+    def observer():
+        from testkit.harness import wait_for
+
+        wait_for(lambda: len(pids_in(pids)) == 2, 10, what="the runaway's children")
+        before = ticks.stat().st_size
+        time.sleep(0.5)  # inside the observed gate: a runaway still running would tick 10 times
+        return GateResult("nvlink", PASS, evidence={"grew": ticks.stat().st_size - before})
+
+    t0 = time.monotonic()
+    res = {r.gate: r for r in run_gates({"burnin": runaway, "nvlink": observer}, {"burnin": 3.0})}
+    assert res["burnin"].status == FAIL and "timed out after 3s" in res["burnin"].reason
+    assert res["nvlink"].status == PASS and res["nvlink"].evidence["grew"] == 0, res["nvlink"]
+    assert time.monotonic() - t0 < 60
+    from testkit.harness import wait_for
+
+    assert len(pids_in(pids)) == 2
+    wait_for(lambda: not any(alive(p) for p in pids_in(pids)), 10, what="the gate's processes to be gone")
+
+
+def test_command_runs_in_its_own_group_and_is_killed_with_it_on_timeout(tmp_path):
+    from agent.preflight import run_command_gate
+    from testkit.harness import wait_for
+
+    pids = tmp_path / "pids"
+    cmd = (
+        'sh -c \'echo pgid=$(cut -d" " -f5 /proc/$$/stat) pid=$$; sleep 300 & echo $! >> '
+        f"{pids}; setsid sleep 300 & echo $! >> {pids}; sleep 300'"
+    )
+    r = run_command_gate("serving", cmd, timeout_s=3.0)
+    assert r.status == FAIL and "timed out after 3s" in r.reason, r.reason
+    m = re.search(r"pgid=(\d+) pid=(\d+)", r.evidence["output_tail"])
+    assert m and m.group(1) == m.group(2) and int(m.group(1)) != os.getpgrp(), r.evidence
+    assert len(pids_in(pids)) == 2
+    wait_for(lambda: not any(alive(p) for p in pids_in(pids)), 10, what="the command's processes to be gone")
+
+
+def test_daemon_left_by_a_passing_command_dies_with_its_gate(tmp_path):
+    from testkit.harness import wait_for
+
+    pid_file = tmp_path / "daemon"
+    serve = tmp_path / "serve.sh"
+    serve.write_text(
+        "#!/bin/sh\n"
+        f"setsid sh -c 'echo $$ > {pid_file}; exec sleep 300' &\n"
+        f"while [ ! -s {pid_file} ]; do sleep 0.01; done\n"
+        "echo Paris\n"
+    )
+    serve.chmod(0o755)
+    prof = Profile.from_mapping({"serving": {"command": str(serve), "expectOutput": "Paris"}})
+    res = run_gates({"serving": build_gates(prof, "nvidia-smi")["serving"]}, {})[0]
+    assert res.status == PASS, res.reason
+    pid = pids_in(pid_file)[0]
+    wait_for(lambda: not alive(pid), 10, what="the daemon the command left behind to be gone")
+
+
+# -- the Job's steps: cordon (token) -> gates (no token) -> record (token) -------------------------------------
+
+
+def _serve_script(tmp_path, body: str):
+    serve = tmp_path / "serve.sh"
+    serve.write_text("#!/bin/sh\n" + body + "\n")
+    serve.chmod(0o755)
+    return serve
+
+
+def test_gates_step_refuses_to_run_with_a_token_mounted(tmp_path):
+    marker = tmp_path / "ran"
+    serve = _serve_script(tmp_path, f"touch {marker}; echo Paris")
+    prof = tmp_path / "p.yaml"
+    prof.write_text(json.dumps({"serving": {"command": str(serve)}}))
+    token = tmp_path / "token"
+    token.write_text("secret")
+    cmd = [sys.executable, "-m", "agent.cli", "preflight", "--profile", str(prof), "--step", "gates"]
+    cmd += ["--results", str(tmp_path / "r.json"), "--gates", "serving", "--sa-token-path", str(token)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "refusing to run the gates with a ServiceAccount token" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not marker.exists()
+
+
+def test_gates_step_runs_commands_without_api_credentials_and_writes_results(tmp_path):
+    from agent.preflight import read_results
+
+    env_dump = tmp_path / "env"
+    serve = _serve_script(tmp_path, f"env > {env_dump}; echo Paris")
+    prof = tmp_path / "p.yaml"
+    prof.write_text(json.dumps({"serving": {"command": str(serve), "expectOutput": "Paris"}}))
+    results = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "agent.cli", "preflight", "--profile", str(prof), "--step", "gates"]
+    cmd += ["--results", str(results), "--gates", "serving", "--sa-token-path", str(tmp_path / "no-token")]
+    env = {**os.environ, "KUBECONFIG": "/etc/kubeconfig", "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = env_dump.read_text()
+    assert "KUBECONFIG" not in seen and "KUBERNETES_SERVICE_HOST" not in seen and "PATH=" in seen
+    got = read_results(str(results))
+    assert [(g.gate, g.status) for g in got] == [("serving", PASS)]
+    missing = read_results(str(tmp_path / "absent.json"))
+    assert len(missing) == 1 and missing[0].status == FAIL and "no usable results" in missing[0].reason
+    (tmp_path / "bad.json").write_text('{"gates": [{"gate": "spec", "status": "great"}]}')
+    assert read_results(str(tmp_path / "bad.json"))[0].status == FAIL
+
+
+@pytest_apiserver
+def test_job_steps_pass_the_chart_policy_with_the_preflight_token(control_plane, admin, make_node, tmp_path):
+    """The three steps as the chart's Job runs them, each a separate process; cordon and record with the
+    preflight ServiceAccount's token bound to a pod on the node, under the chart's own RBAC and policies."""
+    from testkit.cluster import bound_token
+    from testkit.harness import wait_for
+    from tests.test_security import apply_release
+
+    kc_admin = control_plane.kubeconfig(tmp_path / "admin")
+    rel = apply_release(control_plane, kc_admin, "pfjob", ["--set", "preflight.enabled=true"])
+    node = make_node(labels={"gpu-ready.io/needs-preflight": "true", "nvidia.com/gpu.present": "true"})
+    token, _ = bound_token(admin, rel.ns, f"{rel.fullname}-preflight", node)
+    kc = control_plane.kubeconfig(tmp_path / "preflight", token=token, user="preflight")
+    other = make_node()
+
+    def probe_denied():  # the policy loads asynchronously: wait until it denies a foreign node
+        r = subprocess.run(step("cordon", "--node", other), capture_output=True, text=True, timeout=120)
+        return r.returncode == 2 and "preflight-own-node-only" in r.stderr
+
+    prof = tmp_path / "p.yaml"
+    serve = _serve_script(tmp_path, "echo Paris")
+    prof.write_text(json.dumps({"serving": {"command": str(serve), "expectOutput": "Paris"}}))
+    results = tmp_path / "results.json"
+
+    def step(name, *extra):
+        return [
+            sys.executable, "-m", "agent.cli", "preflight", "--profile", str(prof), "--step", name,
+            "--results", str(results), "--kubeconfig", str(kc), "--gates", "serving", *extra,
+        ]  # fmt: skip
+
+    wait_for(probe_denied, 60, 0.5, "the preflight policy to deny another node")
+    assert not node_obj(admin, other)[2]
+    r = subprocess.run(step("cordon", "--node", node), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert node_obj(admin, node)[2], "cordoned"
+    r = subprocess.run(
+        step("gates", "--sa-token-path", str(tmp_path / "none")), capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and results.exists(), r.stderr
+    r = subprocess.run(step("record", "--node", node), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    labels, ann, cordoned = node_obj(admin, node)
+    assert labels["preflight"] == "passed" and "gpu-ready.io/needs-preflight" not in labels and not cordoned
+    assert CORDONED_BY not in ann and json.loads(ann[REPORT_ANNOTATION])["serving"]["status"] == "pass"
+    # a failing run: the record step cordons, labels failed and writes the Event in the Events namespace
+    serve.write_text("#!/bin/sh\necho Berlin\n")
+    for name in ("cordon", "gates", "record"):
+        extra = ("--sa-token-path", str(tmp_path / "none")) if name == "gates" else ("--node", node)
+        r = subprocess.run(step(name, *extra), capture_output=True, text=True, timeout=120)
+        assert r.returncode == (1 if name == "record" else 0), (name, r.stdout + r.stderr)
+    labels, _, cordoned = node_obj(admin, node)
+    assert labels["preflight"] == "failed" and cordoned
+    events = admin.request("GET", "/apis/events.k8s.io/v1/namespaces/default/events")["items"]
+    mine = [e for e in events if e["regarding"]["name"] == node and e["reason"] == "PreflightFailed"]
+    assert len(mine) == 1 and "gate serving fail" in mine[0]["note"]

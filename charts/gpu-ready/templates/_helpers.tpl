@@ -34,3 +34,88 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "gpu-ready.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
+
+{{- define "gpu-ready.preflightName" -}}
+{{- printf "%s-preflight" (include "gpu-ready.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- /* The user names the apiserver gives the agent's and preflight's ServiceAccount tokens. */ -}}
+{{- define "gpu-ready.agentUser" -}}
+{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "gpu-ready.serviceAccountName" .) -}}
+{{- end -}}
+
+{{- define "gpu-ready.preflightUser" -}}
+{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "gpu-ready.preflightName" .) -}}
+{{- end -}}
+
+{{- /* A policy validation: the Node's metadata is unchanged (labels and annotations unless told not to check
+       them here because the policy has finer rules for them). */ -}}
+{{- define "gpu-ready.policy.metadataUnchanged" -}}
+- expression: >-
+    !variables.isUpdate || (
+    {{- if .labels }}
+    object.metadata.?labels.orValue({}) == oldObject.metadata.?labels.orValue({}) &&
+    {{- end }}
+    {{- if .annotations }}
+    object.metadata.?annotations.orValue({}) == oldObject.metadata.?annotations.orValue({}) &&
+    {{- end }}
+    object.metadata.?finalizers.orValue([]) == oldObject.metadata.?finalizers.orValue([]) &&
+    object.metadata.?ownerReferences.orValue([]) == oldObject.metadata.?ownerReferences.orValue([]))
+  message: >-
+    {{ .who }} may not change the Node's metadata ({{ if .labels }}labels, annotations, {{ end }}finalizers,
+    ownerReferences)
+  reason: Forbidden
+{{- end -}}
+
+{{- /* One step of the preflight Job (cordon, gates, record): image, args, env, security context and the
+       volume mounts every step has; the caller appends its own mounts. */ -}}
+{{- define "gpu-ready.preflight.container" -}}
+{{- $v := .root.Values -}}
+image: {{ include "gpu-ready.image" .root }}
+imagePullPolicy: {{ $v.image.pullPolicy }}
+args:
+  - preflight
+  - --step={{ .step }}
+  - --profile=/etc/gpu-ready-preflight/profile.yaml
+  {{- if ne .step "gates" }}
+  - --node=$(NODE_NAME)
+  {{- end }}
+  {{- if ne .step "cordon" }}
+  - --results=/results/results.json
+  {{- end }}
+  {{- if eq .step "record" }}
+  - --needs-label={{ $v.preflight.needsLabel }}
+  - --label-key={{ $v.config.preflightLabel }}
+  - --event-namespace={{ $v.events.namespace }}
+  {{- end }}
+  {{- range $v.preflight.extraArgs }}
+  - {{ . | quote }}
+  {{- end }}
+env:
+  - name: NODE_NAME
+    valueFrom:
+      fieldRef:
+        fieldPath: spec.nodeName
+  {{- if eq .step "gates" }}
+  - name: NVIDIA_VISIBLE_DEVICES
+    value: {{ $v.nvidiaVisibleDevices | quote }}
+  - name: NVIDIA_DRIVER_CAPABILITIES
+    value: "compute,utility"
+  {{- else }}
+  - name: NVIDIA_VISIBLE_DEVICES   # no GPU for the steps that hold the token
+    value: void
+  {{- end }}
+securityContext:
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  runAsNonRoot: true
+  runAsUser: 65532
+  capabilities:
+    drop: ["ALL"]
+volumeMounts:
+  - name: profile
+    mountPath: /etc/gpu-ready-preflight
+    readOnly: true
+  - name: tmp
+    mountPath: /tmp
+{{- end -}}

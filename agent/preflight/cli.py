@@ -1,0 +1,195 @@
+"""`gpu-ready preflight`: argument parsing and the steps. `--step all` (the default) cordons, runs the gates
+and records the outcome in one process; the chart's Job runs `cordon`, `gates` and `record` as three
+containers so that the gates (third-party burn-in and serving commands) never hold the Node credentials."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict
+
+from agent.kube import ApiError, KubeApi
+from agent.preflight.burnin import load_nvml
+from agent.preflight.cuda import load_cuda
+from agent.preflight.gates import Lazy, build_gates, run_gates
+from agent.preflight.model import FAIL, GATES, GateFn, GateResult, passed
+from agent.preflight.onboarding import (
+    DEFAULT_EVENT_NAMESPACE,
+    cordon_for_preflight,
+    cordoned_by_preflight,
+    onboard,
+    record_on_node,
+)
+from agent.preflight.profile import Profile, ProfileError
+
+STEPS = ("all", "cordon", "gates", "record")
+SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+RESULTS_LIMIT = 4 << 20  # bytes
+
+
+class UsageError(Exception):
+    pass
+
+
+def render(results: list[GateResult], ok: bool) -> str:
+    lines = [f"{'GATE':<8} {'STATUS':<8} {'TIME':>8}  REASON"]
+    for r in results:
+        lines.append(f"{r.gate:<8} {r.status:<8} {r.duration_s:>7.2f}s  {r.reason}")
+    lines.append(f"preflight {'PASSED' if ok else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", required=True, help="profile YAML (docs/preflight.md)")
+    p.add_argument("--node", help="record the outcome on this Node (label, annotations, cordon, Event)")
+    p.add_argument(
+        "--step",
+        choices=STEPS,
+        default="all",
+        help="all (default); or one step of the chart's Job: cordon (token), gates (no token; writes --results), "
+        "record (token; reads --results)",
+    )
+    p.add_argument("--results", help="the gates step's results file (written by --step gates, read by --step record)")
+    p.add_argument("--nvidia-smi", default="nvidia-smi")
+    p.add_argument("--kmsg", default="/dev/kmsg", help="kernel log watched for Xids during burn-in")
+    p.add_argument("--label-key", default="preflight")
+    p.add_argument(
+        "--needs-label",
+        default="gpu-ready.io/needs-preflight",
+        help="label removed from the Node when preflight passes",
+    )
+    p.add_argument(
+        "--event-namespace",
+        default=os.environ.get("GPU_READY_EVENT_NAMESPACE") or DEFAULT_EVENT_NAMESPACE,
+        help="namespace of the PreflightFailed Event (default: $GPU_READY_EVENT_NAMESPACE or default)",
+    )
+    p.add_argument("--gates", default=",".join(GATES), help="comma list of gates to run")
+    p.add_argument("--kubeconfig")
+    p.add_argument("--json", action="store_true", help="print one JSON report")
+    p.add_argument("--sa-token-path", default=SA_TOKEN, help=argparse.SUPPRESS)  # tests point it elsewhere
+
+
+def _check_usage(args: argparse.Namespace) -> list[str]:
+    if args.step in ("cordon", "record") and not args.node:
+        raise UsageError(f"--step {args.step} needs --node")
+    if args.step in ("gates", "record") and not args.results:
+        raise UsageError(f"--step {args.step} needs --results")
+    wanted = [g.strip() for g in args.gates.split(",") if g.strip()]
+    bad = [g for g in wanted if g not in GATES]
+    if bad:
+        raise UsageError(f"unknown gates {bad}; gates are {', '.join(GATES)}")
+    return wanted
+
+
+def write_results(path: str, results: list[GateResult], ok: bool) -> None:
+    """Atomically (a unique temp file renamed over the target), so the record step never reads half a file."""
+    data = json.dumps({"passed": ok, "gates": [asdict(r) for r in results]}, default=str)
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".results-", dir=d)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_results(path: str) -> list[GateResult]:
+    """The gates step's results; a missing or malformed file is one failed result saying so (never a pass)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read(RESULTS_LIMIT + 1)
+        if len(text) > RESULTS_LIMIT:
+            raise ValueError(f"larger than {RESULTS_LIMIT} bytes")
+        data = json.loads(text)
+        gates = data.get("gates") if isinstance(data, dict) else None
+        if not isinstance(gates, list) or not gates:
+            raise ValueError("no gate results in it")
+        return [GateResult.from_mapping(g) for g in gates]
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return [GateResult("gates", FAIL, f"no usable results from the gates step in {path}: {why}"[:500])]
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        wanted = _check_usage(args)
+        profile = Profile.load(args.profile)
+    except (UsageError, ProfileError) as e:
+        print(f"gpu-ready preflight: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _run_step(args, profile, wanted)
+    except ApiError as e:
+        print(f"gpu-ready preflight: cannot update Node {args.node}: {e}", file=sys.stderr)
+        return 2
+    except UsageError as e:
+        print(f"gpu-ready preflight: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_step(args: argparse.Namespace, profile: Profile, wanted: list[str]) -> int:
+    def gates() -> dict[str, GateFn]:
+        built = build_gates(profile, args.nvidia_smi, Lazy(load_cuda), Lazy(load_nvml), args.kmsg)
+        return {k: v for k, v in built.items() if k in wanted}
+
+    if args.step == "cordon":
+        api = KubeApi.from_environment(args.kubeconfig)
+        by_us = cordon_for_preflight(api, args.node)
+        print(f"node {args.node} cordoned{' by preflight' if by_us else ' (by someone else: stays cordoned)'}")
+        return 0
+    if args.step == "gates":
+        if os.path.exists(args.sa_token_path):
+            raise UsageError(
+                f"refusing to run the gates with a ServiceAccount token at {args.sa_token_path}: the burn-in and "
+                "serving commands must not get the Node credentials (mount the token only into cordon/record)"
+            )
+        results = run_gates(gates(), profile.timeouts)
+        ok, _ = passed(results, profile.allow_skip)
+        try:
+            write_results(args.results, results, ok)
+        except OSError as e:
+            raise UsageError(f"cannot write --results {args.results}: {e.strerror or e}") from None
+        _print(args, results, ok)
+        return 0  # the results are written; the record step judges them
+    if args.step == "record":
+        results = read_results(args.results)
+        ok, blocking = passed(results, profile.allow_skip)
+        api = KubeApi.from_environment(args.kubeconfig)
+        by_us = cordoned_by_preflight(api.get_node(args.node))
+        record_on_node(
+            api, args.node, results, ok, blocking, args.label_key, args.needs_label, by_us, args.event_namespace
+        )
+        _print(args, results, ok)
+        return 0 if ok else 1
+    if args.node:
+        api = KubeApi.from_environment(args.kubeconfig)
+        ok, results = onboard(
+            api,
+            args.node,
+            gates(),
+            profile,
+            args.label_key,
+            args.needs_label,
+            args.event_namespace,
+        )
+    else:
+        results = run_gates(gates(), profile.timeouts)
+        ok, _ = passed(results, profile.allow_skip)
+    _print(args, results, ok)
+    return 0 if ok else 1
+
+
+def _print(args: argparse.Namespace, results: list[GateResult], ok: bool) -> None:
+    if args.json:
+        print(json.dumps({"passed": ok, "gates": [asdict(r) for r in results]}, indent=2, default=str))
+    else:
+        print(render(results, ok))
