@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev testbin test test-fast lint demo bench chart-lint clean
+.PHONY: dev testbin test e2e test-fast lint demo bench chart-lint clean gpu-smoke
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,23 +19,36 @@ dev: $(STAMP)
 testbin:
 	tools/k8s-testbin/build.sh >/dev/null
 
-## test: every test, against the real kube-apiserver + etcd
+## test: every test, against the real kube-apiserver + etcd, the real-node tests (make e2e) included
 test: dev testbin
+	tools/containerd/build.sh >/dev/null
 	$(BIN)/python -m pytest -q
+
+## e2e: only the real-node tests: the chart on kubelet + containerd with the image built from docker/Dockerfile
+##   (root; Debian packages as .ci/run installs them; containerd and the images are built and cached on first use)
+e2e: dev testbin
+	tools/containerd/build.sh >/dev/null
+	$(BIN)/python -m pytest -q -m node
 
 ## test-fast: only the tests that need no apiserver
 test-fast: dev
 	$(BIN)/python -m pytest -q -m "not apiserver"
 
-## lint: ruff + mypy
+## lint: ruff (check + format), mypy, import-linter (module boundaries)
 lint: dev
 	$(BIN)/ruff check agent tests bench testkit
 	$(BIN)/ruff format --check agent tests bench testkit
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 ## demo: local control plane + simulated GPU node + the real agent: healthy -> ERR! -> Xid 79 -> clear
 demo: dev testbin
 	$(BIN)/python -m testkit.demo
+
+## gpu-smoke: on a machine with NVIDIA GPUs, capture nvidia-smi and run check + preflight into one folder
+##   (no GPUs: prints "no NVIDIA GPU here", exit 0); needs no network, uses .venv when it is there
+gpu-smoke:
+	PY=$(if $(wildcard $(BIN)/python),$(abspath $(BIN)/python),$(PY)) tools/gpu-smoke.sh
 
 ## bench: the benchmarks in bench/, one summary table
 bench: dev testbin

@@ -1,18 +1,20 @@
-"""Runs every level check once and gathers their findings into one Observation.
-The kernel log is read elsewhere (the runner's watcher, or `check`'s one-shot read)."""
+"""Runs every level check once and gathers their results into one Observation.
+Every probe returns a ProbeResult (findings, GPUs, count, whether it ran); this module only combines
+them and never looks inside findings. The kernel log is read elsewhere (kmsg_watch, or `check`'s
+one-shot read)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from agent.config import Config
-from agent.model import Check, Counts, Finding, GpuIdentity, Observation, PciAddress
-from agent.probes.device_plugin import MigLayout, plugin_counts, plugin_findings
-from agent.probes.nvidia_smi import NvidiaSmiRunner, SmiTable, probe_nvidia_smi
-from agent.probes.nvml import NvmlProbe, NvmlSnapshot
+from agent.model import Check, GpuIdentity, Observation, PciAddress, ProbeResult
+from agent.probes.device_plugin import MigLayout, probe_device_plugin
+from agent.probes.nvidia_smi import NvidiaSmiRunner, probe_nvidia_smi
+from agent.probes.nvml import NvmlProbe, probe_nvml
 from agent.probes.pci import probe_pci
 
 
@@ -23,20 +25,17 @@ class CycleStats:
     smi_timed_out: bool = False
 
 
-def mig_layout(table: SmiTable | None, nvml: NvmlSnapshot | None) -> MigLayout | None:
-    """MIG state per GPU from NVML when it answered, else from nvidia-smi's MIG section."""
-    if nvml is not None and nvml.gpus:
-        per_gpu = [(g.mig_enabled, g.mig_devices) for g in nvml.gpus]
-    elif table is not None and table.gpus:
-        per_gpu = [(s.mig_mode == "Enabled", s.mig_devices) for s in table.gpus]
-    else:
+def mig_layout(gpus: Sequence[GpuIdentity]) -> MigLayout | None:
+    """MIG state over the GPUs of one source; None when the source listed none."""
+    if not gpus:
         return None
     lay = MigLayout()
-    for enabled, devices in per_gpu:
+    for g in gpus:
+        enabled = bool(g.mig_enabled)
         lay.mig_enabled_gpus += enabled
         lay.full_gpus += not enabled
-        lay.gpus_with_mig_devices += devices > 0
-        lay.mig_devices += devices
+        lay.gpus_with_mig_devices += g.mig_devices > 0
+        lay.mig_devices += g.mig_devices
     return lay
 
 
@@ -48,13 +47,6 @@ class CheckSuite:
         self.clock = clock
         self.started = clock()
 
-    def _timed(self, stats: CycleStats, name: str, fn: Callable[[], Any]) -> Any:
-        t0 = time.monotonic()
-        try:
-            return fn()
-        finally:
-            stats.durations[name] = time.monotonic() - t0
-
     def run(
         self, node: dict[str, Any] | None, node_error: str | None = None, plugin_grace_s: float | None = None
     ) -> tuple[Observation, CycleStats]:
@@ -62,62 +54,47 @@ class CheckSuite:
         Node could not be read (the plugin check then could not run)."""
         stats = CycleStats()
         obs = Observation(expected_gpus=self.cfg.expected_gpus)
-        gpus: dict[PciAddress, GpuIdentity] = {}
 
-        smi_findings, table, run = self._timed(stats, Check.NVIDIA_SMI, lambda: probe_nvidia_smi(self.smi))
-        stats.smi_timed_out = run.timed_out
-        obs.findings += smi_findings
-        if table is not None and not any(f.kind == "unparseable" for f in smi_findings):
-            obs.counts.nvidia_smi = len(table.gpus)
-            for g in table.gpus:
-                gpus[g.address] = GpuIdentity(g.address, g.index, g.name)
-        else:
-            stats.failed.add(Check.NVIDIA_SMI)
-
-        pci_findings, pci_gpus = self._timed(stats, Check.PCI, lambda: probe_pci(self.cfg.sysfs_root))
-        obs.findings += pci_findings
-        if pci_gpus is None:
-            stats.failed.add(Check.PCI)
-        else:
-            obs.counts.pci = len(pci_gpus)
-            for p in pci_gpus:
-                gpus.setdefault(p.address, GpuIdentity(p.address))
-
-        nvml_findings, snap = self._timed(stats, Check.NVML, self.nvml.probe)
-        obs.findings += nvml_findings
-        if any(f.severity.value == "unchecked" for f in nvml_findings):
-            stats.failed.add(Check.NVML)
-        if snap is not None:
-            for ng in snap.gpus:
-                if ng.address is not None and ng.address not in gpus:
-                    gpus[ng.address] = GpuIdentity(ng.address, ng.index, ng.name)
-
+        smi = self._timed(stats, lambda: probe_nvidia_smi(self.smi))
+        pci = self._timed(stats, lambda: probe_pci(self.cfg.sysfs_root))
+        nvml = self._timed(stats, lambda: probe_nvml(self.nvml))
+        stats.smi_timed_out = smi.timed_out
+        obs.counts.nvidia_smi, obs.counts.pci = smi.count, pci.count
+        results = [smi, pci, nvml]
         if node is not None or node_error is not None:
-            t0 = time.monotonic()
-            obs.findings += self._plugin(node, node_error, obs.counts, mig_layout(table, snap), plugin_grace_s)
-            stats.durations[Check.DEVICE_PLUGIN] = time.monotonic() - t0
-            if node is None:
-                stats.failed.add(Check.DEVICE_PLUGIN)
+            grace = self.cfg.plugin_grace if plugin_grace_s is None else plugin_grace_s
+            mig = mig_layout(nvml.gpus) or mig_layout(smi.gpus)
+            plugin = self._timed(
+                stats,
+                lambda: probe_device_plugin(
+                    node,
+                    node_error,
+                    mig,
+                    self.cfg.mig_strategy,
+                    self.cfg.replicas,
+                    grace - (self.clock() - self.started),
+                ),
+            )
+            obs.counts.plugin_capacity = plugin.counts.get("plugin_capacity")
+            obs.counts.plugin_allocatable = plugin.counts.get("plugin_allocatable")
+            obs.counts.plugin_physical = plugin.count
+            results.append(plugin)
+        gpus: dict[PciAddress, GpuIdentity] = {}
+        for r in results:  # nvidia-smi first: its index and name win
+            obs.findings += r.findings
+            if not r.ran:
+                stats.failed.add(r.check)
+                continue
+            if r.check in (Check.NVIDIA_SMI, Check.PCI):
+                obs.seen[r.check] = r.addresses
+            for g in r.gpus:
+                gpus.setdefault(g.address, g)
         obs.gpus = gpus
         return obs, stats
 
-    def _plugin(
-        self,
-        node: dict[str, Any] | None,
-        node_error: str | None,
-        counts: Counts,
-        mig: MigLayout | None,
-        grace_s: float | None,
-    ) -> list[Finding]:
-        if node is None:
-            return [
-                Finding.unchecked(Check.DEVICE_PLUGIN, f"cannot read the Node: {node_error}", kind="node_unreadable")
-            ]
-        pc = plugin_counts(node, mig, self.cfg.mig_strategy, self.cfg.replicas)
-        counts.plugin_capacity = pc.total_capacity
-        counts.plugin_allocatable = pc.total_allocatable
-        # With nothing advertised the plugin finding says so; a "0 physical GPUs" mismatch would only repeat it.
-        counts.plugin_physical = pc.physical if pc.total_capacity else None
-        grace = self.cfg.plugin_grace if grace_s is None else grace_s
-        left = grace - (self.clock() - self.started)
-        return plugin_findings(pc, left <= 0, max(left, 0.0))
+    @staticmethod
+    def _timed(stats: CycleStats, fn: Callable[[], ProbeResult]) -> ProbeResult:
+        t0 = time.monotonic()
+        result = fn()
+        stats.durations[result.check] = time.monotonic() - t0
+        return result

@@ -13,6 +13,7 @@ from agent import __version__
 from agent import config as config_mod
 from agent.checks import CheckSuite
 from agent.kube import ApiError, KubeApi
+from agent.logs import setup_logging
 from agent.model import Check, Finding, LatchedFault, Status, Verdict, XidEvent
 from agent.probes.kmsg import KmsgSource, KmsgUnavailable
 from agent.verdict import decide
@@ -101,17 +102,45 @@ def verdict_json(v: Verdict, xids: list[XidEvent]) -> dict[str, Any]:
     }
 
 
+NODE_JSON_LIMIT = 16 << 20  # bytes; a Node object is a few KiB
+
+
+def read_node_json(path: str) -> dict[str, Any]:
+    """A saved `kubectl get node -o json`; ValueError (one line) when it is not a Node-shaped object."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read(NODE_JSON_LIMIT + 1)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(getattr(e, "strerror", None) or str(e)) from None
+    if len(text) > NODE_JSON_LIMIT:
+        raise ValueError(f"larger than {NODE_JSON_LIMIT} bytes")
+    try:
+        node = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"not JSON: {str(e)[:100]}") from None
+    if not isinstance(node, dict) or node.get("kind") not in (None, "Node"):
+        raise ValueError("not a Node object")
+    for part, keys in (("metadata", ("labels", "annotations")), ("status", ("capacity", "allocatable"))):
+        sub = node.get(part)
+        if sub is None:
+            continue
+        if not isinstance(sub, dict):
+            raise ValueError(f"{part} is not an object")
+        for k in keys:
+            if sub.get(k) is not None and not isinstance(sub[k], dict):
+                raise ValueError(f"{part}.{k} is not an object")
+    return node
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args)
+    setup_logging(cfg.log_format, cfg.log_level)
     node: dict[str, Any] | None = None
     node_error: str | None = None
     if args.node_json:
         try:
-            with open(args.node_json, encoding="utf-8") as fh:
-                node = json.load(fh)
-            if not isinstance(node, dict) or node.get("kind") not in (None, "Node"):
-                raise ValueError("not a Node object")
-        except (OSError, ValueError) as e:
+            node = read_node_json(args.node_json)
+        except ValueError as e:
             print(f"gpu-ready: cannot read --node-json {args.node_json}: {e}", file=sys.stderr)
             return 2
     elif args.node:
@@ -151,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_check)
     r = sub.add_parser("run", help="the DaemonSet agent: check every poll, patch GPUReady, emit Events, serve /metrics")
     config_mod.add_flags(r)
-    r.set_defaults(func=lambda a: __import__("agent.runner", fromlist=["main"]).main(a))
+    r.set_defaults(func=_run)
     pf = sub.add_parser("preflight", help="run the onboarding gates and label the Node")
     pf.set_defaults(func=lambda a: __import__("agent.preflight", fromlist=["main"]).main(a))
     try:
@@ -163,13 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run(args: argparse.Namespace) -> int:
+    from agent.runner import main as run_main
+
+    return run_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        from agent.logs import setup_logging
-
-        setup_logging(getattr(args, "log_format", None) or "auto", getattr(args, "log_level", None) or "info")
+        setup_logging()  # `check` and `run` set it again from their settings (flag, env or file)
         return int(args.func(args))
     except config_mod.ConfigError as e:
         print(f"gpu-ready: configuration error: {e}", file=sys.stderr)

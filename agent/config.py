@@ -1,28 +1,43 @@
-"""One typed settings object from flags, environment and a config file (the chart's ConfigMap).
+"""One typed, frozen settings object from flags, environment and a config file (the chart's ConfigMap).
 
-Precedence: command-line flag > environment variable (GPU_READY_<NAME>) > config file > default.
-Every setting is declared once in SETTINGS; flags, env names, file keys and docs derive from it.
-A bad value raises ConfigError naming the setting, and the CLI exits 2 with that message."""
+Precedence: command-line flag > environment variable (GPU_READY_<NAME>, then an extra name such as
+NODE_NAME) > config file > default. Every setting is declared once in SETTINGS (converter, default,
+help) and once as a typed attribute of Config; flags, env names, file keys and docs derive from
+SETTINGS. Every value goes through its converter here, in one place: a bad value raises ConfigError
+naming the setting and where it came from, and the CLI exits 2 with that one line.
+
+The converters (`to_float`, `to_int`, `to_bool`, ...) are public so that other inputs (the preflight
+profile) validate the same way: `convert(conv, value, what)` raises ConfigError naming `what`."""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import yaml
 
 DEFAULT_METRICS_ADDRESS = "0.0.0.0:9465"  # not dcgm-exporter's 9400 nor node-exporter's 9100
+CONFIG_FILE_LIMIT = 1 << 20  # bytes; a settings file is a few hundred
+DAY = 86_400.0
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
     pass
 
 
-def _bool(v: Any) -> bool:
+# -- converters: value from a flag/env (str) or a file (YAML scalar/list) -> typed value, or ValueError ---
+
+
+def to_bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
     s = str(v).strip().lower()
@@ -30,48 +45,168 @@ def _bool(v: Any) -> bool:
         return True
     if s in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"expected true or false, got {v!r}")
+    raise ValueError(f"expected true or false, got {_show(v)}")
 
 
-def _int_list(v: Any) -> list[int]:
-    if isinstance(v, list):
-        return [int(x) for x in v]
+def to_int(v: Any) -> int:
+    """An integer: 8, "8" and 8.0 are 8; 8.5, "8.5", true and 5000-digit strings are errors."""
+    if isinstance(v, bool):
+        raise ValueError(f"expected an integer, got {_show(v)}")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float):
+        if not math.isfinite(v) or v != int(v):
+            raise ValueError(f"expected an integer, got {_show(v)}")
+        return int(v)
     s = str(v).strip()
-    return [int(x) for x in s.replace(" ", ",").split(",") if x] if s else []
+    if not re.fullmatch(r"[+-]?\d{1,18}", s):
+        raise ValueError(f"expected an integer, got {_show(v)}")
+    return int(s)
 
 
-def _opt_int(v: Any) -> int | None:
-    return None if v in (None, "", "null") else int(v)
+def to_float(v: Any) -> float:
+    """A finite number: nan and inf are errors (a nan poll interval busy-loops; inf never wakes)."""
+    if isinstance(v, bool):
+        raise ValueError(f"expected a number, got {_show(v)}")
+    try:
+        x = float(v) if isinstance(v, int | float) else float(str(v).strip()[:64])
+    except (ValueError, OverflowError):
+        raise ValueError(f"expected a number, got {_show(v)}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"expected a finite number, got {_show(v)}")
+    return x
 
 
-def _choice(*options: str) -> Callable[[Any], str]:
+def to_str(v: Any) -> str:
+    if isinstance(v, dict | list | bool) or v is None:
+        raise ValueError(f"expected a string, got {_show(v)}")
+    s = str(v)
+    if not s or len(s) > 4096 or "\x00" in s:
+        raise ValueError(f"expected a non-empty string, got {_show(v)}")
+    return s
+
+
+def to_int_list(v: Any) -> tuple[int, ...]:
+    items = v if isinstance(v, list | tuple) else [x for x in str(v).replace(" ", ",").split(",") if x]
+    if len(items) > 1024:
+        raise ValueError(f"at most 1024 entries, got {len(items)}")
+    out = tuple(to_int(x) for x in items)
+    for x in out:
+        if not 0 <= x < 2**31:
+            raise ValueError(f"expected numbers from 0 to {2**31 - 1}, got {x}")
+    return out
+
+
+def optional(conv: Callable[[Any], T]) -> Callable[[Any], T | None]:
+    def check(v: Any) -> T | None:
+        return None if v is None or (isinstance(v, str) and v.strip() in ("", "null")) else conv(v)
+
+    return check
+
+
+def choice(*options: str) -> Callable[[Any], str]:
     def conv(v: Any) -> str:
-        s = str(v)
+        s = str(v).strip().lower()
         if s not in options:
-            raise ValueError(f"expected one of {', '.join(options)}, got {s!r}")
+            raise ValueError(f"expected one of {', '.join(options)}, got {_show(v)}")
         return s
 
     return conv
 
 
-def _positive(conv: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def in_range(
+    conv: Callable[[Any], Any], low: float | None = None, high: float | None = None, *, above: bool = False
+) -> Callable[[Any], Any]:
+    """Wraps a numeric converter with bounds: `low` inclusive (exclusive when `above`), `high` inclusive."""
+
     def check(v: Any) -> Any:
         x = conv(v)
-        if x is not None and x <= 0:
-            raise ValueError(f"must be greater than 0, got {x}")
+        if x is None:
+            return x
+        if low is not None and (x <= low if above else x < low):
+            raise ValueError(f"must be {'greater than' if above else 'at least'} {low:g}, got {x:g}")
+        if high is not None and x > high:
+            raise ValueError(f"must be at most {high:g}, got {x:g}")
         return x
 
     return check
 
 
-def _non_negative(conv: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def check(v: Any) -> Any:
-        x = conv(v)
-        if x is not None and x < 0:
-            raise ValueError(f"must be 0 or more, got {x}")
-        return x
+def positive(conv: Callable[[Any], Any], high: float | None = None) -> Callable[[Any], Any]:
+    return in_range(conv, 0, high, above=True)
 
-    return check
+
+def non_negative(conv: Callable[[Any], Any], high: float | None = None) -> Callable[[Any], Any]:
+    return in_range(conv, 0, high)
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9.]{0,251}[A-Za-z0-9])?")
+
+
+def dns_label(v: Any) -> str:
+    s = to_str(v)
+    if not _DNS_LABEL.fullmatch(s):
+        raise ValueError(f"expected a DNS label (lowercase letters, digits, '-'; at most 63), got {_show(v)}")
+    return s
+
+
+def dns_subdomain(v: Any) -> str:
+    s = to_str(v)
+    if not _DNS_SUBDOMAIN.fullmatch(s):
+        raise ValueError(f"expected a DNS subdomain name (lowercase letters, digits, '-', '.'), got {_show(v)}")
+    return s
+
+
+def label_key(v: Any) -> str:
+    s = to_str(v)
+    prefix, _, name = s.rpartition("/")
+    if (prefix and not _DNS_SUBDOMAIN.fullmatch(prefix)) or not _LABEL_NAME.fullmatch(name):
+        raise ValueError(f"expected a label key ([prefix/]name), got {_show(v)}")
+    return s
+
+
+def host_port(v: Any) -> str:
+    """`host:port`, `:port` or `[v6]:port` with a port from 0 to 65535."""
+    s = to_str(v).strip()
+    host, sep, port = s.rpartition(":")
+    if not sep or not re.fullmatch(r"\d{1,5}", port) or int(port) > 65535:
+        raise ValueError(f"expected host:port with a port from 0 to 65535, got {_show(v)}")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if bare:
+        try:
+            ipaddress.ip_address(bare)
+        except ValueError:
+            if not _HOSTNAME.fullmatch(bare):
+                raise ValueError(f"expected host:port, got {_show(v)}") from None
+    return s
+
+
+def readable_file(v: Any) -> str:
+    s = to_str(v)
+    if not os.path.isfile(s):
+        raise ValueError(f"no such file: {_show(v)}")
+    if not os.access(s, os.R_OK):
+        raise ValueError(f"cannot read {_show(v)}")
+    return s
+
+
+def _show(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def convert(conv: Callable[[Any], T], value: Any, what: str) -> T:
+    """Runs a converter; a bad value raises ConfigError naming `what` (for inputs other than settings)."""
+    try:
+        return conv(value)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"invalid {what}: {e}") from None
+
+
+# -- the settings ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -80,7 +215,7 @@ class Setting:
     conv: Callable[[Any], Any]
     default: Any
     help: str
-    env: str | None = None  # extra env name (e.g. NODE_NAME)
+    env: str | None = None  # extra env name (e.g. NODE_NAME), read after GPU_READY_<NAME>
 
     @property
     def flag(self) -> str:
@@ -97,66 +232,97 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("node_name", str, None, "Node to report on (default: $NODE_NAME)", env="NODE_NAME"),
-    Setting("poll_interval", _positive(float), 30.0, "seconds between check cycles"),
-    Setting("heartbeat_interval", _positive(float), 300.0, "seconds between condition heartbeats"),
-    Setting("recovery_polls", _positive(int), 2, "clean polls before a level fault clears"),
-    Setting("nvidia_smi", str, "nvidia-smi", "path of nvidia-smi"),
-    Setting("nvidia_smi_timeout", _positive(float), 30.0, "hard timeout for one nvidia-smi run, seconds"),
-    Setting("sysfs_root", str, "/sys", "sysfs mount to count PCI GPUs in"),
-    Setting("kmsg", str, "/dev/kmsg", "kernel log to read (a regular file in kmsg format works the same)"),
-    Setting("kmsg_trust_user", _bool, False, "count records from user-space facilities too (tests only)"),
-    Setting("nvml", _choice("auto", "on", "off"), "auto", "NVML checks: auto = when libnvidia-ml loads"),
-    Setting("nvml_timeout", _positive(float), 10.0, "deadline for one NVML call, seconds"),
-    Setting("nvml_nvlink", _bool, True, "report NVLink links down (NVML)"),
-    Setting("expected_gpus", _non_negative(_opt_int), None, "GPUs this node must have (unset: no floor)"),
-    Setting("xid_fatal", _int_list, [], "Xids fatal in addition to the catalog's (comma list)"),
-    Setting("xid_ignore", _int_list, [], "Xids never fatal (comma list)"),
-    Setting("unknown_xid_fatal", _bool, True, "treat Xids missing from the catalog as fatal"),
-    Setting("state_dir", str, "/var/lib/gpu-ready", "directory for latched faults (a hostPath)"),
-    Setting("boot_id_file", str, "/proc/sys/kernel/random/boot_id", "file holding the boot ID"),
+    Setting("node_name", optional(dns_subdomain), None, "Node to report on (default: $NODE_NAME)", env="NODE_NAME"),
+    Setting("poll_interval", positive(to_float, DAY), 30.0, "seconds between check cycles"),
+    Setting("heartbeat_interval", positive(to_float, DAY), 300.0, "seconds between condition heartbeats"),
+    Setting("recovery_polls", in_range(to_int, 1, 1000), 2, "clean polls before a level fault clears"),
+    Setting("nvidia_smi", to_str, "nvidia-smi", "path of nvidia-smi"),
+    Setting("nvidia_smi_timeout", positive(to_float, 3600), 30.0, "hard timeout for one nvidia-smi run, seconds"),
+    Setting("sysfs_root", to_str, "/sys", "sysfs mount to count PCI GPUs in"),
+    Setting("kmsg", to_str, "/dev/kmsg", "kernel log to read (a regular file in kmsg format works the same)"),
+    Setting("kmsg_trust_user", to_bool, False, "count records from user-space facilities too (tests only)"),
+    Setting("nvml", choice("auto", "on", "off"), "auto", "NVML checks: auto = when libnvidia-ml loads"),
+    Setting("nvml_timeout", positive(to_float, 3600), 10.0, "deadline for one NVML call, seconds"),
+    Setting("nvml_nvlink", to_bool, True, "report NVLink links down (NVML)"),
+    Setting("expected_gpus", optional(non_negative(to_int, 4096)), None, "GPUs this node must have (unset: no floor)"),
+    Setting("xid_fatal", to_int_list, (), "Xids fatal in addition to the catalog's (comma list)"),
+    Setting("xid_ignore", to_int_list, (), "Xids never fatal (comma list)"),
+    Setting("unknown_xid_fatal", to_bool, True, "treat Xids missing from the catalog as fatal"),
+    Setting("state_dir", to_str, "/var/lib/gpu-ready", "directory for latched faults (a hostPath)"),
+    Setting("boot_id_file", to_str, "/proc/sys/kernel/random/boot_id", "file holding the boot ID"),
     Setting(
         "mig_strategy",
-        _choice("auto", "none", "single", "mixed"),
+        choice("auto", "none", "single", "mixed"),
         "auto",
         "device plugin MIG strategy (auto: from the nvidia.com/mig.strategy label)",
     ),
     Setting(
         "replicas",
-        _positive(_opt_int),
+        optional(in_range(to_int, 1, 1_000_000)),
         None,
         "time-slicing/MPS replicas (default: the nvidia.com/gpu.replicas label, else 1)",
     ),
     Setting(
         "plugin_grace",
-        _non_negative(float),
+        non_negative(to_float, DAY),
         300.0,
         "seconds after start before a missing device-plugin resource is a fault",
     ),
-    Setting("event_interval", _non_negative(float), 300.0, "at most one Event per reason and GPU per this many s"),
-    Setting("metrics_address", str, DEFAULT_METRICS_ADDRESS, "host:port for /metrics, /healthz, /readyz"),
-    Setting("require_preflight", _bool, False, "report True only on nodes labelled <preflight-label>=passed"),
-    Setting("preflight_label", str, "preflight", "label key set by gpu-ready preflight"),
-    Setting("kubeconfig", str, None, "kubeconfig file (default: in-cluster, then ~/.kube/config)"),
-    Setting("api_timeout", _positive(float), 10.0, "timeout for one API request, seconds"),
-    Setting("log_format", _choice("auto", "json", "console"), "auto", "auto: JSON unless stderr is a terminal"),
-    Setting("log_level", _choice("debug", "info", "warning", "error"), "info", "log level"),
+    Setting(
+        "event_interval", non_negative(to_float, DAY), 300.0, "at most one Event per reason and GPU per this many s"
+    ),
+    Setting(
+        "event_namespace",
+        dns_label,
+        "default",
+        "namespace the agent writes its Events in (default: $POD_NAMESPACE, else default)",
+        env="POD_NAMESPACE",
+    ),
+    Setting("metrics_address", host_port, DEFAULT_METRICS_ADDRESS, "host:port for /metrics, /healthz, /readyz"),
+    Setting("require_preflight", to_bool, False, "report True only on nodes labelled <preflight-label>=passed"),
+    Setting("preflight_label", label_key, "preflight", "label key set by gpu-ready preflight"),
+    Setting("kubeconfig", optional(readable_file), None, "kubeconfig file (default: in-cluster, then ~/.kube/config)"),
+    Setting("api_timeout", positive(to_float, 600), 10.0, "timeout for one API request, seconds"),
+    Setting("log_format", choice("auto", "json", "console"), "auto", "auto: JSON unless stderr is a terminal"),
+    Setting("log_level", choice("debug", "info", "warning", "error"), "info", "log level"),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
-    values: dict[str, Any] = field(default_factory=dict)
+    """Every setting, typed. Build it with load(); the attributes are exactly SETTINGS' names."""
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.values[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def replace(self, **kw: Any) -> Config:
-        return Config({**self.values, **kw})
+    node_name: str | None
+    poll_interval: float
+    heartbeat_interval: float
+    recovery_polls: int
+    nvidia_smi: str
+    nvidia_smi_timeout: float
+    sysfs_root: str
+    kmsg: str
+    kmsg_trust_user: bool
+    nvml: str
+    nvml_timeout: float
+    nvml_nvlink: bool
+    expected_gpus: int | None
+    xid_fatal: tuple[int, ...]
+    xid_ignore: tuple[int, ...]
+    unknown_xid_fatal: bool
+    state_dir: str
+    boot_id_file: str
+    mig_strategy: str
+    replicas: int | None
+    plugin_grace: float
+    event_interval: float
+    event_namespace: str
+    metrics_address: str
+    require_preflight: bool
+    preflight_label: str
+    kubeconfig: str | None
+    api_timeout: float
+    log_format: str
+    log_level: str
 
 
 def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
@@ -167,31 +333,41 @@ def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = N
             parser.add_argument(s.flag, dest=s.name, default=None, help=f"{s.help} (default: {s.default!r}{env})")
 
 
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read(CONFIG_FILE_LIMIT + 1)
+        if len(text) > CONFIG_FILE_LIMIT:
+            raise ConfigError(f"config file {path}: larger than {CONFIG_FILE_LIMIT} bytes")
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path}: {getattr(e, 'strerror', None) or e}") from None
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"config file {path}: not valid YAML/JSON: {first}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of settings, got {type(data).__name__}")
+    return data
+
+
 def load(
     args: argparse.Namespace | None = None,
-    environ: dict[str, str] | None = None,
-    overrides: dict[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> Config:
-    environ = dict(os.environ) if environ is None else environ
+    """Flags (args), environment, file, defaults -> Config. Raises ConfigError naming the setting."""
+    environ = os.environ if environ is None else environ
     raw: dict[str, tuple[Any, str]] = {}
     path = getattr(args, "config", None) if args is not None else None
     path = path or environ.get("GPU_READY_CONFIG")
     if path:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-            data = yaml.safe_load(text) if not path.endswith(".json") else json.loads(text)
-        except (OSError, yaml.YAMLError, json.JSONDecodeError) as e:
-            raise ConfigError(f"config file {path}: {e}") from e
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path}: expected a mapping of settings, got {type(data).__name__}")
         keys = {s.file_key: s for s in SETTINGS}
-        for k, v in data.items():
-            s = keys.get(k) or BY_NAME.get(k)
+        for k, v in _read_file(path).items():
+            s = keys.get(str(k)) or BY_NAME.get(str(k))
             if s is None:
-                raise ConfigError(f"config file {path}: unknown setting {k!r}")
+                raise ConfigError(f"config file {path}: unknown setting {_show(k)}")
             raw[s.name] = (v, f"{s.file_key} in {path}")
     for s in SETTINGS:
         for env in (s.env_name, s.env):
@@ -201,18 +377,25 @@ def load(
         if args is not None and getattr(args, s.name, None) is not None:
             raw[s.name] = (getattr(args, s.name), s.flag)
     for k, v in (overrides or {}).items():
+        if k not in BY_NAME:
+            raise ConfigError(f"unknown setting {k!r}")
         raw[k] = (v, k)
-    values = {}
+    values: dict[str, Any] = {}
     for s in SETTINGS:
         if s.name in raw:
             v, where = raw[s.name]
-            try:
-                values[s.name] = s.conv(v)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"invalid {s.name.replace('_', '-')} ({where}): {e}") from e
+            values[s.name] = convert(s.conv, v, f"{s.name.replace('_', '-')} ({where})")
         else:
             values[s.name] = s.default
     both = set(values["xid_fatal"]) & set(values["xid_ignore"])
     if both:
         raise ConfigError(f"invalid xid-fatal/xid-ignore: Xids {sorted(both)} are in both lists")
-    return Config(values)
+    return Config(**values)
+
+
+def defaults(**overrides: Any) -> Config:
+    """The defaults (no flags, no environment, no file) with some settings replaced, validated."""
+    return load(None, environ={}, overrides=overrides)
+
+
+assert [f.name for f in fields(Config)] == [s.name for s in SETTINGS], "Config and SETTINGS must list the same names"

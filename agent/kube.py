@@ -5,7 +5,9 @@ cheap; every request is counted for the metrics by an optional callback."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import quote
 
@@ -15,6 +17,9 @@ from kubernetes.client import ApiClient, Configuration
 
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
+PARTIAL_METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1, application/json"
+WATCH_READ_CHUNK = 64 * 1024
+MAX_WATCH_LINE = 8 * 1024 * 1024  # one watch event (a whole Node as JSON); etcd caps objects at 1.5 MiB
 
 
 class ApiError(Exception):
@@ -38,6 +43,10 @@ class KubeApi:
         self.api = ApiClient(configuration)
         self.timeout_s = timeout_s
         self.on_request = on_request
+        self.on_response_bytes: Callable[[str, int], None] | None = None  # (verb, body bytes) of each answer
+        # ask for metadata-only answers (PartialObjectMetadata) to node status patches: the agent never reads
+        # the answer, and the whole Node it would get back is the biggest part of a heartbeat's cost
+        self.metadata_answers = False
 
     @classmethod
     def from_environment(
@@ -84,8 +93,12 @@ class KubeApi:
         content_type: str = "application/json",
         query: dict[str, str] | None = None,
         timeout_s: float | None = None,
+        verb: str | None = None,
+        accept: str = "application/json",
     ) -> dict[str, Any]:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
+        """One request, the JSON answer as a dict. `verb` names it for the on_request count (default: the
+        HTTP method; "LIST" for a collection read, as the apiserver's own metrics name it)."""
+        headers = {"Accept": accept, "Content-Type": content_type}
         m, url, hdrs, data, _ = self.api.param_serialize(
             method,
             path,
@@ -104,9 +117,11 @@ class KubeApi:
             status = e.status or 0
             raw = (e.body or "").encode() if isinstance(e.body, str) else (e.body or b"")
         except (urllib3.exceptions.HTTPError, OSError) as e:
-            self._count(method, 0)
+            self._count(verb or method, 0)
             raise ApiError(0, f"{method} {path}: {type(e).__name__}: {e}") from e
-        self._count(method, status)
+        self._count(verb or method, status)
+        if self.on_response_bytes is not None:
+            self.on_response_bytes(verb or method, len(raw))
         try:
             obj = json.loads(raw) if raw else {}
         except ValueError:
@@ -121,11 +136,69 @@ class KubeApi:
 
     # -- the calls the agent makes --------------------------------------------------------------
 
-    def get_node(self, name: str) -> dict[str, Any]:
-        return self.request("GET", f"/api/v1/nodes/{quote(name)}")
+    def get_node(self, name: str, resource_version: str | None = None) -> dict[str, Any]:
+        """Without resource_version: a quorum read from etcd. resource_version="0": served from the
+        apiserver's watch cache (may be slightly stale, costs etcd nothing)."""
+        query = {"resourceVersion": resource_version} if resource_version is not None else None
+        return self.request("GET", f"/api/v1/nodes/{quote(name)}", query=query)
+
+    def list_nodes(self, field_selector: str, resource_version: str = "0", match: str | None = None) -> dict[str, Any]:
+        """A NodeList. resource_version "0" (any) or a resourceVersion with match "NotOlderThan" is served
+        from the apiserver's watch cache; only resource_version "" would be a quorum read."""
+        query = {"fieldSelector": field_selector, "resourceVersion": resource_version}
+        if match:
+            query["resourceVersionMatch"] = match
+        return self.request("GET", "/api/v1/nodes", query=query, verb="LIST")
+
+    def watch_nodes(
+        self, field_selector: str, resource_version: str, timeout_seconds: int, bookmarks: bool = True
+    ) -> WatchStream:
+        """Opens a watch (GET /api/v1/nodes?watch=1) that the server ends after `timeout_seconds`.
+        Raises ApiError when it cannot be opened (an HTTP error status, or no answer)."""
+        query = [
+            ("fieldSelector", field_selector),
+            ("watch", "1"),
+            ("allowWatchBookmarks", "true" if bookmarks else "false"),
+            ("resourceVersion", resource_version),
+            ("timeoutSeconds", str(int(timeout_seconds))),
+        ]
+        return self.stream("/api/v1/nodes", query, read_timeout_s=timeout_seconds + 30.0)
+
+    def stream(self, path: str, query: list[tuple[str, str]], read_timeout_s: float) -> WatchStream:
+        """A streaming GET (a watch): the response is not read here; iterate WatchStream.events()."""
+        m, url, hdrs, data, _ = self.api.param_serialize(
+            "GET",
+            path,
+            query_params=query,
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+        )
+        try:
+            resp = self.api.call_api(m, url, hdrs, data, _request_timeout=(self.timeout_s, read_timeout_s))
+        except kubernetes.client.exceptions.ApiException as e:
+            self._count("WATCH", e.status or 0)
+            raise ApiError(e.status or 0, f"WATCH {path}: {e.reason}") from e
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            self._count("WATCH", 0)
+            raise ApiError(0, f"WATCH {path}: {type(e).__name__}: {e}") from e
+        raw: urllib3.HTTPResponse = resp.response
+        self._count("WATCH", raw.status)
+        if raw.status >= 400:
+            try:
+                body = raw.read(64 * 1024)
+                obj = json.loads(body) if body else {}
+            except (ValueError, urllib3.exceptions.HTTPError, OSError):
+                obj = {}
+            finally:
+                raw.release_conn()
+            msg = obj.get("message", "") if isinstance(obj, dict) else ""
+            raise ApiError(raw.status, f"WATCH {path}: {msg}", obj if isinstance(obj, dict) else None)
+        return WatchStream(raw)
 
     def patch_node_status(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return self.request("PATCH", f"/api/v1/nodes/{quote(name)}/status", patch, STRATEGIC_MERGE)
+        """The patched Node; only its metadata (a PartialObjectMetadata) when metadata_answers is set."""
+        accept = PARTIAL_METADATA if self.metadata_answers else "application/json"
+        return self.request("PATCH", f"/api/v1/nodes/{quote(name)}/status", patch, STRATEGIC_MERGE, accept=accept)
 
     def patch_node(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         return self.request("PATCH", f"/api/v1/nodes/{quote(name)}", patch, STRATEGIC_MERGE)
@@ -137,3 +210,118 @@ class KubeApi:
         return self.request(
             "PATCH", f"/apis/events.k8s.io/v1/namespaces/{quote(namespace)}/events/{quote(name)}", patch, MERGE_PATCH
         )
+
+
+class LineTooLong(ValueError):
+    pass
+
+
+def split_lines(chunks: Iterable[bytes], max_line: int) -> Iterator[bytes]:
+    """Newline-delimited records from a byte stream, in linear time; a record longer than `max_line`
+    bytes raises LineTooLong instead of growing the buffer without bound. Blank lines are skipped."""
+    buf = bytearray()
+    for chunk in chunks:
+        start = 0
+        while True:
+            i = chunk.find(b"\n", start)
+            if i < 0:
+                break
+            if len(buf) + (i - start) > max_line:
+                raise LineTooLong(f"a watch event over {max_line} bytes")
+            buf += chunk[start:i]
+            start = i + 1
+            if buf.strip():
+                yield bytes(buf)
+            buf.clear()
+        buf += chunk[start:]
+        if len(buf) > max_line:
+            raise LineTooLong(f"a watch event over {max_line} bytes")
+    if buf.strip():
+        yield bytes(buf)
+
+
+class WatchStream:
+    """An open watch: `events()` yields the decoded watch events ({"type", "object"}) as they arrive;
+    `shutdown()` (from any thread) unblocks a reader within a moment; `close()` releases the socket."""
+
+    def __init__(self, response: urllib3.HTTPResponse) -> None:
+        self.response = response
+        self.bytes_read = 0
+
+    def _chunks(self) -> Iterator[bytes]:
+        r = self.response
+        try:
+            if r.chunked and r.supports_chunked_reads():
+                for chunk in r.stream(WATCH_READ_CHUNK):
+                    self.bytes_read += len(chunk)
+                    yield chunk
+            else:
+                while chunk := r.read1(WATCH_READ_CHUNK):
+                    self.bytes_read += len(chunk)
+                    yield chunk
+        except (urllib3.exceptions.HTTPError, OSError, ValueError, AttributeError) as e:
+            # AttributeError/ValueError: the socket was shut down or closed under the reader (stop)
+            raise ApiError(0, f"watch stream: {type(e).__name__}: {e}") from e
+
+    def events(self, max_line: int = MAX_WATCH_LINE) -> Iterator[dict[str, Any]]:
+        """Raises ApiError (status 0) on a broken stream or an undecodable event; LineTooLong on a line
+        over max_line bytes. Ends when the server ends the watch."""
+        for line in split_lines(self._chunks(), max_line):
+            try:
+                ev = json.loads(line)
+            except ValueError as e:
+                raise ApiError(0, f"watch stream: undecodable event ({len(line)} bytes)") from e
+            if not isinstance(ev, dict):
+                raise ApiError(0, "watch stream: an event that is not an object")
+            yield ev
+
+    def shutdown(self) -> None:
+        try:
+            self.response.shutdown()
+        except (ValueError, RuntimeError, OSError, NotImplementedError):
+            pass
+
+    def close(self) -> None:
+        try:
+            self.response.close()
+            self.response.release_conn()
+        except (urllib3.exceptions.HTTPError, OSError, ValueError):
+            pass
+
+    def __enter__(self) -> WatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ApiHealth:
+    """Per request ("get node", "write status"): ok or why not, logged once per change; jittered
+    exponential backoff for the condition write (reads are simply retried on the next poll)."""
+
+    def __init__(self, log: Any, cap_s: float) -> None:
+        self.log, self.cap_s = log, cap_s
+        self.states: dict[str, str] = {}
+        self.failures = 0
+        self.retry_at = 0.0  # monotonic; no condition write before
+
+    def ok(self, what: str) -> None:
+        prev = self.states.get(what, "ok")
+        if prev != "ok":
+            self.log.info("API request succeeds again", request=what, previous=prev)
+        self.states[what] = "ok"
+        if what == "write status":
+            self.failures, self.retry_at = 0, 0.0
+
+    def failed(self, e: ApiError, what: str) -> None:
+        state = {0: "unreachable", 401: "unauthorized", 403: "forbidden", 429: "throttled"}.get(
+            e.status, f"http_{e.status}"
+        )
+        if state != self.states.get(what, "ok"):
+            level = self.log.error if state in ("forbidden", "unauthorized") else self.log.warning
+            level("API request failed; retrying with backoff", request=what, state=state, error=str(e)[:300])
+            self.states[what] = state
+        if what == "write status":
+            self.failures += 1
+            delay = min(self.cap_s, 0.5 * 2 ** min(self.failures - 1, 10)) * random.uniform(0.8, 1.2)
+            self.retry_at = time.monotonic() + min(delay, self.cap_s)

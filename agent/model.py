@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import lru_cache
@@ -64,6 +65,7 @@ class Reason(StrEnum):
     NVIDIA_SMI_ERR = "NvidiaSmiErr"
     GPU_COUNT_MISMATCH = "GPUCountMismatch"
     DEVICE_PLUGIN_UNHEALTHY = "DevicePluginUnhealthy"
+    GPU_DEGRADED = "GPUDegraded"  # the GPU works but slower or half-usable (issue 18); below the hard faults
     PREFLIGHT_NOT_PASSED = "PreflightNotPassed"
     CHECK_FAILED = "CheckFailed"
     GPUS_HEALTHY = "GPUsHealthy"
@@ -78,6 +80,11 @@ class Check(StrEnum):
     DEVICE_PLUGIN = "device_plugin"
     NVML = "nvml"
     XID = "xid"
+    PCIE = "pcie"
+    DEVICE_NODES = "device_nodes"
+    CLOCKS = "clocks"
+    XID_RATE = "xid_rate"
+    DCGM = "dcgm"
 
 
 class Severity(StrEnum):
@@ -117,6 +124,26 @@ class GpuIdentity:
     address: PciAddress
     index: int | None = None
     name: str | None = None
+    mig_enabled: bool | None = None  # None: the source does not say
+    mig_devices: int = 0
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What every probe returns: findings plus what it counted. `ran` False means the source could not
+    be read (a finding says why) and `count` is then None; callers never inspect finding kinds."""
+
+    check: Check
+    findings: tuple[Finding, ...] = ()
+    gpus: tuple[GpuIdentity, ...] = ()  # every GPU the source listed; a duplicated address appears twice
+    count: int | None = None  # GPUs this source counts; None when it could not count
+    ran: bool = True
+    timed_out: bool = False
+    counts: Mapping[str, int | None] = field(default_factory=dict)  # named sub-counts (device plugin)
+
+    @property
+    def addresses(self) -> frozenset[PciAddress]:
+        return frozenset(g.address for g in self.gpus)
 
 
 @dataclass
@@ -167,6 +194,7 @@ class Observation:
     counts: Counts = field(default_factory=Counts)
     expected_gpus: int | None = None
     xids: list[XidEvent] = field(default_factory=list)  # seen this boot (fatal and not)
+    seen: dict[Check, frozenset[PciAddress]] = field(default_factory=dict)  # addresses per source that ran
 
 
 @dataclass(frozen=True)

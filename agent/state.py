@@ -3,18 +3,27 @@
 A fatal Xid keeps the node not ready until the boot ID changes (a reboot) or an operator clears it
 with the `gpu-ready.io/clear-before=<RFC 3339>` annotation. `cleared_seq` remembers how far the kernel
 log had been read when a clear was applied, so replaying the ring buffer after an agent restart does
-not latch a cleared fault again. A corrupt file is moved aside (kept for inspection) and replaced."""
+not latch a cleared fault again; `rejected_clears` remembers clear values refused in this boot (dated
+in the future when seen) so that they never apply later in the same boot. A corrupt file is moved
+aside (kept for inspection) and replaced.
+
+Writes are serialised by one lock; each goes to its own temporary file, is fsynced, renamed over the
+state file and the directory is fsynced. A failed write is logged once per distinct problem, counted
+through `on_write_failure`, kept in `write_problem` (shown on /healthz) and retried by `retry()`."""
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from agent.logs import get_logger
 from agent.model import LatchedFault, PciAddress, XidEvent
 
 STATE_VERSION = 1
@@ -22,22 +31,41 @@ STATE_VERSION = 1
 
 def read_boot_id(path: str) -> str:
     try:
-        return Path(path).read_text().strip() or "unknown"
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read(128).strip() or "unknown"
     except OSError:
         return "unknown"
 
 
+def read_boot_time(stat_path: str = "/proc/stat") -> float | None:
+    """When this boot started (Unix seconds), from the kernel's `btime`; None when unknown."""
+    try:
+        with open(stat_path, encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class LatchState:
-    def __init__(self, state_dir: str, boot_id: str) -> None:
+    def __init__(self, state_dir: str, boot_id: str, on_write_failure: Callable[[str], None] | None = None) -> None:
         self.path = Path(state_dir) / "state.json"
         self.boot_id = boot_id
         self.faults: dict[str, LatchedFault] = {}
         self.cleared_before: float = 0.0
         self.cleared_seq: int = -1
+        self.rejected_clears: set[str] = set()
         self.load_problem: str | None = None  # what went wrong reading the file, for logs/metrics
-        self.write_problem: str | None = None
+        self.write_problem: str | None = None  # the last write's failure; None once a write succeeds
+        self.write_failures = 0
+        self.dirty = False  # the file is behind the memory (a write failed)
+        self.on_write_failure = on_write_failure
         self._known: set[tuple[bool, int, object]] = set()  # quick keys of latched faults
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the in-memory state
+        self._write_lock = threading.Lock()  # one writer at a time; the newest snapshot wins
+        self.log = get_logger(path=str(self.path))
 
     # -- persistence ----------------------------------------------------------------------------------
 
@@ -47,8 +75,8 @@ class LatchState:
             raw = self.path.read_text(encoding="utf-8")
         except FileNotFoundError:
             return "new"
-        except OSError as e:
-            self.load_problem = f"cannot read {self.path}: {e.strerror}"
+        except (OSError, UnicodeDecodeError) as e:
+            self.load_problem = f"cannot read {self.path}: {getattr(e, 'strerror', None) or e}"
             return "corrupt"
         try:
             data = json.loads(raw)
@@ -64,11 +92,13 @@ class LatchState:
                     int(f["xid"]), str(f["raw_address"]), gpu, str(f["source"]), str(f["text"]), float(f["since"])
                 )
                 faults[lf.key] = lf
-            self.faults = faults
-            self.cleared_before = float(data.get("cleared_before", 0.0))
-            self.cleared_seq = int(data.get("cleared_seq", -1))
+            with self._lock:
+                self.faults = faults
+                self.cleared_before = float(data.get("cleared_before", 0.0))
+                self.cleared_seq = int(data.get("cleared_seq", -1))
+                self.rejected_clears = {str(x) for x in data.get("rejected_clears", [])}
             return "loaded"
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             aside = self.path.with_name(f"state.json.corrupt-{int(time.time())}")
             try:
                 os.replace(self.path, aside)
@@ -78,28 +108,57 @@ class LatchState:
             self.save()
             return "corrupt"
 
-    def save(self) -> bool:
+    def _snapshot_json(self) -> dict[str, Any]:
         with self._lock:
-            data: dict[str, Any] = {
+            return {
                 "version": STATE_VERSION,
                 "boot_id": self.boot_id,
                 "cleared_before": self.cleared_before,
                 "cleared_seq": self.cleared_seq,
+                "rejected_clears": sorted(self.rejected_clears),
                 "faults": [{**asdict(f), "gpu": f.gpu.nvml if f.gpu else None} for f in self.faults.values()],
             }
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".state.json.{os.getpid()}.tmp")
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(data, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-            self.write_problem = None
+
+    def save(self) -> bool:
+        """Writes the current state; returns whether it reached the disk."""
+        with self._write_lock:
+            data = self._snapshot_json()  # taken under the write lock: a later writer writes a later state
+            tmp: str | None = None
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=".state.json.", suffix=".tmp", dir=self.path.parent)
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    json.dump(data, fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, self.path)
+                tmp = None
+                _fsync_dir(self.path.parent)
+            except OSError as e:
+                if tmp is not None:
+                    try:
+                        os.unlink(tmp)
+                    except OSError:
+                        pass
+                self._write_failed(f"cannot write {self.path}: {e.strerror or e}")
+                return False
+            if self.write_problem is not None:
+                self.log.info("state file written again", previous=self.write_problem)
+            self.write_problem, self.dirty = None, False
             return True
-        except OSError as e:
-            self.write_problem = f"cannot write {self.path}: {e.strerror}"
-            return False
+
+    def _write_failed(self, problem: str) -> None:
+        self.write_failures += 1
+        self.dirty = True
+        if problem != self.write_problem:
+            self.log.error("latched faults cannot be saved; they are kept in memory only", problem=problem)
+        self.write_problem = problem
+        if self.on_write_failure is not None:
+            self.on_write_failure(problem)
+
+    def retry(self) -> bool:
+        """Writes again if an earlier write failed; returns whether the file is up to date."""
+        return self.save() if self.dirty else True
 
     # -- changes ------------------------------------------------------------------------------------
 
@@ -123,9 +182,9 @@ class LatchState:
 
     def clear_before(self, before: float, read_seq: int | None) -> list[LatchedFault]:
         """Applies an operator clear: drops every fault first seen before `before`."""
-        if before <= self.cleared_before:
-            return []
         with self._lock:
+            if before <= self.cleared_before:
+                return []
             gone = [f for f in self.faults.values() if f.since < before]
             for f in gone:
                 del self.faults[f.key]
@@ -136,6 +195,15 @@ class LatchState:
         self.save()
         return gone
 
+    def reject_clear(self, value: str) -> bool:
+        """Remembers a clear value refused in this boot; returns whether it is new."""
+        with self._lock:
+            if value in self.rejected_clears or len(self.rejected_clears) >= 64:
+                return False
+            self.rejected_clears.add(value)
+        self.save()
+        return True
+
     def new_boot(self, boot_id: str) -> int:
         with self._lock:
             n = len(self.faults)
@@ -144,9 +212,23 @@ class LatchState:
             self._known.clear()
             self.cleared_before = 0.0
             self.cleared_seq = -1
+            self.rejected_clears = set()
         self.save()
         return n
 
     def snapshot(self) -> list[LatchedFault]:
         with self._lock:
             return list(self.faults.values())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from agent.model import (
     FAULT_REASONS,
+    Check,
     Counts,
     Finding,
     GpuIdentity,
@@ -95,20 +96,20 @@ def decide(
     for f in obs.findings:
         if f.severity is Severity.FAULT and f.reason is not None:
             add(f.reason, f.message, f.gpu)
-            if f.check.value == "nvidia_smi" and f.gpu is None:
+            if f.check is Check.NVIDIA_SMI and f.gpu is None:
                 smi_ran = False
         elif f.severity is Severity.UNCHECKED:
             unchecked.append(f)
-            if f.check.value == "nvidia_smi":
+            if f.check is Check.NVIDIA_SMI:
                 smi_ran = False
 
     for text in count_mismatches(obs.counts, obs.expected_gpus):
         by_reason.setdefault(Reason.GPU_COUNT_MISMATCH, []).append(text)
-    if obs.counts.nvidia_smi is not None:
-        smi_addrs = {a for a, g in gpus.items() if g.index is not None}
-        for addr in gpus:
-            if addr not in smi_addrs and obs.counts.pci is not None:
-                problems.setdefault(addr, []).append("GPUCountMismatch: on PCI but not in nvidia-smi")
+    # Compare addresses, not only counts: a duplicated bus id in nvidia-smi keeps the counts equal.
+    on_pci, in_smi = obs.seen.get(Check.PCI), obs.seen.get(Check.NVIDIA_SMI)
+    if on_pci is not None and in_smi is not None:
+        for addr in sorted(on_pci - in_smi):
+            add(Reason.GPU_COUNT_MISMATCH, "on PCI but not in nvidia-smi", addr)
 
     if preflight_required and not preflight_passed:
         by_reason.setdefault(Reason.PREFLIGHT_NOT_PASSED, []).append("node is not labelled preflight=passed")

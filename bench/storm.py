@@ -13,10 +13,10 @@ from typing import Any
 
 import psutil
 
+from agent.kmsg_watch import KMSG_BATCH, KernelLogIngest
 from agent.model import PciAddress
 from agent.probes.kmsg import KmsgSource, format_record
 from agent.report.metrics import Metrics
-from agent.runner import KMSG_BATCH, KernelLogIngest
 from agent.state import LatchState
 from agent.xid import KernelLogParser
 from bench.common import ProcSampler, save

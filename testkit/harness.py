@@ -85,7 +85,7 @@ class AgentProc:
         args = [
             sys.executable,
             "-m",
-            "agent.cli",
+            "agent",
             "run",
             "--node-name",
             node,

@@ -153,3 +153,18 @@ def test_table_output(simhost):
     assert r.returncode == 1
     assert "0    00000000:19:00.0  NVIDIA H100 80GB HBM3        UNHEALTHY NvidiaSmiErr: ERR! in Fan" in r.stdout
     assert "GPUReady=False  reason=NvidiaSmiErr" in r.stdout
+
+
+def test_duplicated_bus_id_cannot_hide_a_pci_gpu(simhost):
+    """nvidia-smi lists 8 rows but one bus id twice: the counts agree (8 and 8), the address sets do not."""
+    from testkit.simhost import smi_table
+
+    table = smi_table(simhost.gpus)
+    assert "00000000:9B:00.0" in table
+    simhost.set_smi(output=table.replace("00000000:9B:00.0", "00000000:5D:00.0"))
+    rc, out = run_check(simhost)
+    assert rc == 1 and out["status"] == "False", out["message"]
+    assert out["counts"]["pci"] == out["counts"]["nvidia_smi"] == 8
+    assert "GPU 00000000:9B:00.0: on PCI but not in nvidia-smi" in out["message"]
+    bad = {g["pci_bus_id"] for g in out["gpus"] if g["healthy"] is False}
+    assert "00000000:9B:00.0" in bad

@@ -19,7 +19,7 @@ def test_precedence_flag_env_file_default(tmp_path):
     cfg = config.load(args, environ={"GPU_READY_POLL_INTERVAL": "20", "NODE_NAME": "n1"})
     assert (cfg.poll_interval, cfg.xid_ignore, cfg.expected_gpus, cfg.nvml, cfg.node_name) == (
         20.0,
-        [109],
+        (109,),
         8,
         "off",
         "n1",
@@ -34,11 +34,120 @@ def test_precedence_flag_env_file_default(tmp_path):
         ({"GPU_READY_NVML": "maybe"}, "nvml"),
         ({"GPU_READY_XID_FATAL": "79", "GPU_READY_XID_IGNORE": "79"}, "both lists"),
         ({"GPU_READY_RECOVERY_POLLS": "two"}, "recovery-polls"),
+        ({"GPU_READY_LOG_LEVEL": "bogus"}, "log-level"),
+        ({"GPU_READY_METRICS_ADDRESS": "nonsense"}, "metrics-address"),
+        ({"GPU_READY_METRICS_ADDRESS": "abc"}, "metrics-address"),
+        ({"GPU_READY_METRICS_ADDRESS": "0.0.0.0:70000"}, "metrics-address"),
+        ({"GPU_READY_KUBECONFIG": "/nonexistent"}, "kubeconfig"),
+        ({"GPU_READY_EVENT_NAMESPACE": "Not_A_Namespace"}, "event-namespace"),
+        ({"POD_NAMESPACE": "-bad"}, "event-namespace"),
+        ({"GPU_READY_PREFLIGHT_LABEL": "a b"}, "preflight-label"),
+        ({"GPU_READY_EXPECTED_GPUS": "8.5"}, "expected-gpus"),
+        ({"GPU_READY_EXPECTED_GPUS": "9" * 5000}, "expected-gpus"),
+        ({"GPU_READY_XID_FATAL": "79,-1"}, "xid-fatal"),
+        ({"GPU_READY_POLL_INTERVAL": "1e300"}, "poll-interval"),
     ],
 )
 def test_bad_values_name_the_setting(env, needle):
     with pytest.raises(config.ConfigError, match=needle):
         config.load(None, environ=env)
+
+
+FLOATS = [s.name for s in config.SETTINGS if isinstance(s.default, float)]
+
+
+@pytest.mark.parametrize("name", FLOATS)
+@pytest.mark.parametrize("bad", ["nan", "NaN", "inf", "-inf", "Infinity"])
+def test_every_float_setting_rejects_non_finite_values(name, bad):
+    """`--poll-interval nan` busy-looped and `inf` killed the loop thread: refused at start, naming it."""
+    flag = name.replace("_", "-")
+    with pytest.raises(config.ConfigError, match=f"invalid {flag}.*finite"):
+        config.load(None, environ={f"GPU_READY_{name.upper()}": bad})
+    with pytest.raises(config.ConfigError, match=f"invalid {flag}"):
+        config.load(None, environ={}, overrides={name: float(bad)})
+
+
+def test_float_settings_are_all_covered():
+    assert set(FLOATS) >= {"poll_interval", "heartbeat_interval", "nvidia_smi_timeout", "api_timeout", "nvml_timeout"}
+
+
+def test_config_file_values_are_validated_too(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("pollInterval: .nan\n")
+    with pytest.raises(config.ConfigError, match="pollInterval in"):
+        config.load(None, environ={"GPU_READY_CONFIG": str(f)})
+    f.write_text("expectedGpus: true\n")
+    with pytest.raises(config.ConfigError, match="expected-gpus"):
+        config.load(None, environ={"GPU_READY_CONFIG": str(f)})
+    f.write_text("logLevel: WARNING\nrecoveryPolls: 3.0\n")
+    cfg = config.load(None, environ={"GPU_READY_CONFIG": str(f)})
+    assert (cfg.log_level, cfg.recovery_polls) == ("warning", 3)
+
+
+def test_event_namespace_precedence():
+    assert config.load(None, environ={}).event_namespace == "default"
+    assert config.load(None, environ={"POD_NAMESPACE": "gpu-ready"}).event_namespace == "gpu-ready"
+    env = {"POD_NAMESPACE": "gpu-ready", "GPU_READY_EVENT_NAMESPACE": "ops"}
+    assert config.load(None, environ=env).event_namespace == "ops"
+
+
+def test_config_is_frozen_and_typed():
+    import dataclasses
+
+    cfg = config.defaults(node_name="n1")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.poll_interval = 1.0  # type: ignore[misc]
+    assert not hasattr(cfg, "values") and [f.name for f in dataclasses.fields(cfg)] == list(config.BY_NAME)
+    with pytest.raises(config.ConfigError, match="unknown setting 'pol_interval'"):
+        config.defaults(pol_interval=1)
+
+
+def test_converters_for_other_inputs_name_what_was_bad():
+    """The preflight profile validates with the same converters (gpuCount: "8" is 8)."""
+    assert config.convert(config.to_int, "8", "gpuCount in profile.yaml") == 8
+    with pytest.raises(config.ConfigError, match=r"invalid gpuCount in profile\.yaml: expected an integer"):
+        config.convert(config.to_int, "eight", "gpuCount in profile.yaml")
+    with pytest.raises(config.ConfigError, match="finite"):
+        config.convert(config.positive(config.to_float), "inf", "minBandwidth")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--log-level", "bogus"],
+        ["--metrics-address", "nonsense"],
+        ["--metrics-address", "abc"],
+        ["--kubeconfig", "/nonexistent"],
+        ["--poll-interval", "nan"],
+        ["--poll-interval", "inf"],
+        ["--api-timeout", "nan"],
+        ["--nvidia-smi-timeout", "inf"],
+    ],
+)
+def test_run_with_a_bad_setting_exits_2_with_one_line(argv, capsys):
+    from agent.cli import main
+
+    assert main(["run", "--node-name", "n1", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and argv[0].lstrip("-") in err[0] and "Traceback" not in err[0], err
+
+
+def test_log_level_from_the_environment_is_used(tmp_path, monkeypatch, capsys):
+    """GPU_READY_LOG_LEVEL was ignored (logging was set from the flags only)."""
+    from agent.cli import main
+
+    monkeypatch.setenv("GPU_READY_LOG_LEVEL", "error")
+    monkeypatch.setenv("GPU_READY_LOG_FORMAT", "json")
+    monkeypatch.setenv("GPU_READY_KMSG", str(tmp_path / "none"))
+    main(["check", "--nvidia-smi", str(tmp_path / "no-smi"), "--sysfs-root", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "kernel log" not in err  # would be logged at info/warning; error level hides them
+    monkeypatch.setenv("GPU_READY_LOG_LEVEL", "debug")
+    from agent.logs import get_logger
+
+    main(["check", "--nvidia-smi", str(tmp_path / "no-smi"), "--sysfs-root", str(tmp_path)])
+    get_logger().debug("probe-debug-line")
+    assert "probe-debug-line" in capsys.readouterr().err
 
 
 def test_unknown_file_key_is_rejected(tmp_path):
@@ -121,3 +230,131 @@ def test_configuration_doc_lists_every_setting():
     doc = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
     for s in config.SETTINGS:
         assert f"| `{s.flag}` | `{s.env_name}`" in doc and f"`{s.file_key}`" in doc, s.name
+
+
+# -- the state file cannot silently stop persisting ----------------------------------------------------
+
+
+def test_concurrent_writers_never_lose_a_fault_or_leave_temp_files(tmp_path):
+    """save() runs on the watcher and the loop thread at once: each write has its own temp file and the
+    last write carries every fault latched before it."""
+    import threading
+
+    s = LatchState(str(tmp_path), "b")
+    s.load()
+    start = threading.Barrier(8)
+
+    def writer(k: int) -> None:
+        start.wait()
+        for i in range(25):
+            s.latch(ev(xid=1000 + k * 100 + i, bus=k, seq=None), 100.0)
+            s.save()
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert s.write_problem is None and s.write_failures == 0
+    on_disk = json.loads((tmp_path / "state.json").read_text())
+    assert len(on_disk["faults"]) == 8 * 25
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_unwritable_state_dir_is_counted_logged_once_and_retried(tmp_path, capsys):
+    from agent.logs import setup_logging
+
+    setup_logging("json", "info")
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # a file where the directory should be: fails for root too
+    failures: list[str] = []
+    s = LatchState(str(blocker / "state"), "b", on_write_failure=failures.append)
+    assert s.load() == "corrupt" and s.load_problem  # cannot even be read
+    assert s.latch(ev(seq=1), 100.0) is not None  # latched in memory all the same
+    s.latch(ev(xid=48, seq=2), 101.0)
+    assert s.write_failures == 2 and len(failures) == 2 and s.dirty
+    assert "cannot write" in (s.write_problem or "")
+    logged = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+    assert sum("cannot be saved" in r["event"] for r in logged) == 1, "logged once per distinct problem"
+    assert {f.xid for f in s.snapshot()} == {79, 48}
+    blocker.unlink()
+    assert s.retry() and not s.dirty and s.write_problem is None
+    again = LatchState(str(blocker / "state"), "b")
+    assert again.load() == "loaded" and {f.xid for f in again.snapshot()} == {79, 48}
+
+
+def test_full_disk_write_keeps_the_old_file_and_no_temp(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    s = LatchState(str(tmp_path), "b")
+    s.load()
+    s.latch(ev(seq=1), 100.0)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert s.latch(ev(xid=48, seq=2), 101.0) is not None
+    assert s.write_problem and "No space left" in s.write_problem
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # the temp file is removed
+    assert [f["xid"] for f in json.loads((tmp_path / "state.json").read_text())["faults"]] == [79]
+    monkeypatch.undo()
+    assert s.retry()
+    assert len(json.loads((tmp_path / "state.json").read_text())["faults"]) == 2
+
+
+def test_rejected_clear_values_persist_for_the_boot(tmp_path):
+    s = LatchState(str(tmp_path), "b")
+    s.load()
+    assert s.reject_clear("2099-01-01T00:00:00Z") and not s.reject_clear("2099-01-01T00:00:00Z")
+    t = LatchState(str(tmp_path), "b")
+    t.load()
+    assert t.rejected_clears == {"2099-01-01T00:00:00Z"}
+    t.new_boot("c")
+    assert t.rejected_clears == set()
+
+
+def test_event_aggregation_patches_only_series():
+    """events.k8s.io/v1 Events are immutable except `series`: a patch of `note` is a 422."""
+
+    class Api(RecordingApi):
+        def patch_event(self, ns, name, patch):
+            assert set(patch) == {"series"}, patch
+            super().patch_event(ns, name, patch)
+
+    now = [1000.0]
+    api = Api()
+    r = EventReporter(api, "n", interval_s=300, wall=lambda: now[0])  # type: ignore[arg-type]
+    r.record("GPUsHealthy", "first")
+    r.flush()
+    r.record("GPUsHealthy", "second")
+    r.flush()
+    now[0] += 301
+    r.flush()
+    assert api.calls == [("create", "GPUsHealthy", "first"), ("patch", 2)]
+
+
+def test_a_refused_event_is_dropped_not_retried():
+    from agent.kube import ApiError
+
+    class Refusing(RecordingApi):
+        def create_event(self, ns, body):
+            self.calls.append(("create", body["reason"]))
+            raise ApiError(422, "Event is invalid")
+
+    api, dropped = Refusing(), []
+    r = EventReporter(api, "n", on_drop=lambda p, e: dropped.append((p.reason if p else None, e.status)))  # type: ignore[arg-type]
+    r.record("GPUsHealthy", "x")
+    r.record("FatalXid", "y", gpu="g")
+    assert r.flush() == 0 and r.queue == [] and dropped == [("GPUsHealthy", 422), ("FatalXid", 422)]
+
+    class Down(RecordingApi):
+        def create_event(self, ns, body):
+            raise ApiError(0, "connection refused")
+
+    r = EventReporter(Down(), "n")  # type: ignore[arg-type]
+    r.record("GPUsHealthy", "x")
+    with pytest.raises(ApiError):
+        r.flush()
+    assert len(r.queue) == 1  # kept for the retry

@@ -37,7 +37,8 @@ def tool(name: str) -> str:
 def test_promtool_check_rules():
     r = subprocess.run([tool("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 6 rules found" in r.stdout
+    n = sum(len(g["rules"]) for g in yaml.safe_load(RULES.read_text())["groups"])
+    assert n >= 6 and f"SUCCESS: {n} rules found" in r.stdout
 
 
 def test_promtool_unit_tests_each_alert_fires_and_not():
@@ -91,6 +92,8 @@ def exported_names() -> set[str]:
         0,
     )
     m.observe_xid(XidEvent(79, None, "0000:19:00", True, "t"))
+    m.state_write_failures.inc(0)
+    m.events_dropped.labels("422").inc()
     m.api_request("GET", 200)
     m.events.labels("FatalXid").inc()
     m.check_duration.labels("pci").observe(0.01)
@@ -119,6 +122,23 @@ def test_dashboard_has_the_panels():
         "gpu_ready_check_duration_seconds_bucket",
     ):
         assert metric in exprs
+
+
+def test_pci_bus_id_has_one_form_on_every_metric():
+    from prometheus_client import generate_latest
+
+    from agent.model import Counts, GpuStatus, PciAddress, Reason, Status, Verdict
+    from agent.report.metrics import Metrics, bus_id_label
+
+    for raw in ("0000:3b:00", "0000:3b:00.0", "00000000:3B:00.0", "PCI:0000:3b:00"):
+        assert bus_id_label(raw) == PciAddress(0, 0x3B, 0).nvml == "00000000:3B:00.0"
+    m = Metrics()
+    m.observe_xid_key((79, "0000:3b:00", True))
+    gpu = GpuStatus(1, "00000000:3B:00.0", "H100", False, ("FatalXid: Xid 79",))
+    m.publish(Verdict(Status.FALSE, Reason.FATAL_XID, "x", (gpu,), (Reason.FATAL_XID,), Counts()), 1)
+    text = generate_latest(m.registry).decode()
+    forms = set(re.findall(r'pci_bus_id="([^"]*)"', text))
+    assert forms == {"00000000:3B:00.0"}, forms
 
 
 def test_label_values_are_bounded():
@@ -196,7 +216,22 @@ def test_real_prometheus_scrape_and_fatal_xid_alert(agent_factory, admin, simhos
         simhost.append_xid(79, 3)
         a.wait_status(admin, "False", "FatalXid")
         got = wait_for(lambda: prom_query(base, 'gpu_ready_xid_total{fatal="true",xid="79"}'), 20, 0.3, "xid metric")
-        assert got[0]["metric"]["pci_bus_id"] == "0000:5d:00" and got[0]["metric"]["node"] == a.node
+        assert got[0]["metric"]["pci_bus_id"] == "00000000:5D:00.0" and got[0]["metric"]["node"] == a.node
+        # One pci_bus_id form on every metric: the unhealthy GPU joins its Xid counter in PromQL.
+        joined = wait_for(
+            lambda: prom_query(
+                base,
+                'gpu_ready_xid_total{fatal="true"} * on(node, pci_bus_id) group_left(gpu) (gpu_ready_gpu_healthy == 0)',
+            ),
+            20,
+            0.3,
+            "gpu_ready_xid_total joined with gpu_ready_gpu_healthy on pci_bus_id",
+        )
+        assert [(j["metric"]["gpu"], j["metric"]["pci_bus_id"], j["metric"]["xid"]) for j in joined] == [
+            ("3", "00000000:5D:00.0", "79")
+        ]
+        healthy_join = prom_query(base, "gpu_ready_gpu_healthy and on(pci_bus_id) gpu_ready_xid_total")
+        assert [j["metric"]["gpu"] for j in healthy_join] == ["3"]
         assert wait_for(lambda: prom_query(base, 'gpu_ready_status{status="False",reason="FatalXid"} == 1'), 20, 0.3)
         alert = wait_for(
             lambda: [x for x in prom_alerts(base) if x["labels"]["alertname"] == "GPUFatalXid"],

@@ -127,13 +127,14 @@ def test_reason_order(first, second):
 
 
 def test_documented_order_is_exact():
-    assert [r.value for r in FAULT_REASONS][:7] == [
+    assert [r.value for r in FAULT_REASONS][:8] == [
         "FatalXid",
         "NvidiaSmiFailed",
         "NvmlHealth",
         "NvidiaSmiErr",
         "GPUCountMismatch",
         "DevicePluginUnhealthy",
+        "GPUDegraded",
         "PreflightNotPassed",
     ]
 
@@ -148,8 +149,30 @@ def test_message_stays_under_one_kib():
 
 
 def test_verdict_is_pure():
-    o = obs([Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, "ERR! in Fan", A0)])
-    assert decide(o) == decide(o)
+    """decide() neither changes its input nor keeps state between calls: the same data in gives the same
+    verdict, whatever was decided in between, and the input is unchanged afterwards."""
+    import copy
+
+    fault = Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, "ERR! in Fan", A0)
+    o = obs([fault])
+    before = copy.deepcopy(o)
+    first = decide(o, [latched()])
+    decide(obs(), [])  # an unrelated call in between must not leak into the next one
+    decide(obs([Finding.unchecked(Check.PCI, "sysfs gone")]), [latched(48, A0)], preflight_required=True)
+    again = decide(copy.deepcopy(before), [latched()])
+    assert first == again and o == before
+    assert first.status is Status.FALSE and decide(obs()).status is Status.TRUE  # the input decides
+
+
+def test_gpu_missing_from_nvidia_smi_is_found_by_address_even_when_counts_match():
+    """A duplicated bus id in nvidia-smi keeps the counts equal (2 and 2): the address sets differ."""
+    seen = {Check.PCI: frozenset({A0, A1}), Check.NVIDIA_SMI: frozenset({A0})}
+    o = Observation([], {A0: GpuIdentity(A0, 0, "H100"), A1: GpuIdentity(A1)}, Counts(pci=2, nvidia_smi=2))
+    o.seen = seen
+    v = decide(o)
+    assert (v.status, v.reason) == (Status.FALSE, Reason.GPU_COUNT_MISMATCH)
+    assert "GPU 00000000:3B:00.0: on PCI but not in nvidia-smi" in v.message
+    assert [g.healthy for g in v.gpus] == [True, False]
 
 
 def test_faults_on_known_gpus_survive_truncation():

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.model import Check, Finding, PciAddress, Reason
+from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult, Reason, Severity
 
 FI_DEV_GET_GPU_RECOVERY_ACTION = 230
 RECOVERY_ACTIONS = {
@@ -239,3 +239,16 @@ def _lost_or_skip(nv: Any, e: Exception, addr: PciAddress | None, what: str) -> 
 
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def probe_nvml(nvml: NvmlProbe) -> ProbeResult:
+    """The NVML checks as a ProbeResult. NVML off or absent (mode auto) is not a failure: `ran` stays True
+    with no GPUs and no count."""
+    findings, snap = nvml.probe()
+    ran = not any(f.severity is Severity.UNCHECKED for f in findings)
+    gpus = tuple(
+        GpuIdentity(g.address, g.index, g.name, g.mig_enabled, g.mig_devices)
+        for g in (snap.gpus if snap is not None else ())
+        if g.address is not None
+    )
+    return ProbeResult(Check.NVML, tuple(findings), gpus, len(snap.gpus) if snap else None, ran)

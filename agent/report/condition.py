@@ -19,13 +19,6 @@ def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def parse_rfc3339(text: str) -> float | None:
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except (ValueError, AttributeError):
-        return None
-
-
 def find_condition(node: dict[str, Any] | None, ctype: str = CONDITION_TYPE) -> dict[str, Any] | None:
     for c in ((node or {}).get("status") or {}).get("conditions") or []:
         if c.get("type") == ctype:

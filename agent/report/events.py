@@ -3,25 +3,39 @@
 One Event per condition transition and per new fatal Xid per GPU. Repeats within `interval_s` of the
 same (reason, GPU) are not written at once: they are counted and folded into the existing Event's
 `series` by one PATCH when the interval has passed, so a storm of any size costs at most one create
-and one patch per (reason, GPU) per interval."""
+and one patch per (reason, GPU) per interval. The PATCH carries only `series`: every other field of
+an events.k8s.io/v1 Event (note included) is immutable and the apiserver answers 422.
+
+Events never hold up the condition: `EventPublisher` writes them on its own thread with its own
+backoff. Events may be deferred (transient errors: retried with backoff) or dropped (an Event the
+apiserver refuses for good, e.g. 403 or 422: logged once per reason and code, counted)."""
 
 from __future__ import annotations
 
+import random
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.kube import KubeApi
+from agent.kube import ApiError, KubeApi
+from agent.logs import get_logger
 
 CONTROLLER = "gpu-ready"
 NAMESPACE = "default"
+QUEUE_LIMIT = 10_000
 
 
 def micro_time(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def is_permanent(e: ApiError) -> bool:
+    """A refusal that a retry will not change (bad request, forbidden, invalid, not found)."""
+    return 400 <= e.status < 500 and e.status not in (408, 409, 429)
 
 
 @dataclass
@@ -32,7 +46,6 @@ class _Slot:
     count: int = 0  # occurrences folded into the Event so far
     pending: int = 0  # occurrences not written yet
     last_seen: float = 0.0
-    note: str = ""
 
 
 @dataclass
@@ -56,12 +69,15 @@ class EventReporter:
     node_uid: str | None = None
     slots: dict[tuple[str, str], _Slot] = field(default_factory=dict)
     queue: list[PendingEvent] = field(default_factory=list)
+    on_drop: Callable[[PendingEvent | None, ApiError], None] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, reason: str, note: str, gpu: str = "", type_: str = "Warning", action: str = "Detected") -> None:
         """Notes an occurrence; nothing is written until flush()."""
-        self.queue.append(PendingEvent(reason, gpu, note[:1000], type_, action, self.wall()))
-        if len(self.queue) > 10_000:  # a storm: keep the newest per key, counts are kept in the slots
-            self._compact()
+        with self._lock:
+            self.queue.append(PendingEvent(reason, gpu, note[:1000], type_, action, self.wall()))
+            if len(self.queue) > QUEUE_LIMIT:  # a storm: keep the newest per key, counts are kept in the slots
+                self._compact()
 
     def _compact(self) -> None:
         newest: dict[tuple[str, str], PendingEvent] = {}
@@ -73,33 +89,68 @@ class EventReporter:
             newest[key] = p
         self.queue = list(newest.values())
 
+    def _next(self) -> PendingEvent | None:
+        with self._lock:
+            return self.queue[0] if self.queue else None
+
+    def _done(self, p: PendingEvent) -> None:
+        with self._lock:
+            if self.queue and self.queue[0] is p:
+                self.queue.pop(0)
+
     def flush(self) -> int:
-        """Writes what is due; returns the writes made. Raises ApiError (what is unsent stays queued)."""
+        """Writes what is due; returns the writes made. A refused Event is dropped (on_drop); a transient
+        failure raises ApiError and what is unsent stays queued."""
         writes = 0
         now = self.wall()
-        while self.queue:
-            p = self.queue[0]
+        while (p := self._next()) is not None:
             key = (p.reason, p.gpu)
             slot = self.slots.setdefault(key, _Slot())
             quiet = slot.pending == 0 and now - slot.last_write >= self.interval_s
             if slot.name is None or quiet:
-                self._create(p, slot)
-                writes += 1
+                try:
+                    self._create(p, slot)
+                    writes += 1
+                except ApiError as e:
+                    if not is_permanent(e):
+                        raise
+                    if self.on_drop:
+                        self.on_drop(p, e)
             else:
                 slot.pending += 1
                 slot.last_seen = p.at
-                slot.note = p.note
-            self.queue.pop(0)
-        for key, slot in self.slots.items():
+            self._done(p)
+        for key, slot in list(self.slots.items()):
             if slot.pending and slot.name and now - slot.last_write >= self.interval_s:
-                self._aggregate(key, slot, now)
-                writes += 1
+                try:
+                    self._aggregate(key, slot, now)
+                    writes += 1
+                except ApiError as e:
+                    if not is_permanent(e):
+                        raise
+                    # Gone (expired after the apiserver's event TTL) or refused: the next occurrence
+                    # starts a new Event instead of patching this one again.
+                    slot.name, slot.pending = None, 0
+                    if self.on_drop:
+                        self.on_drop(None, e)
         return writes
+
+    def due_in(self) -> float | None:
+        """Seconds until an aggregation patch is due; 0 when something is queued; None when idle."""
+        if self.queue:
+            return 0.0
+        now = self.wall()
+        waits = [slot.last_write + self.interval_s - now for slot in self.slots.values() if slot.pending and slot.name]
+        return max(0.0, min(waits)) if waits else None
 
     def _regarding(self) -> dict[str, Any]:
         ref: dict[str, Any] = {"apiVersion": "v1", "kind": "Node", "name": self.node}
         if self.node_uid:
             ref["uid"] = self.node_uid
+        if self.namespace not in ("", "default"):
+            # The apiserver accepts an Event about a cluster-scoped object only in "default" unless the
+            # reference names the Event's namespace (422 "does not match event.namespace" otherwise).
+            ref["namespace"] = self.namespace
         return ref
 
     def _create(self, p: PendingEvent, slot: _Slot) -> None:
@@ -126,11 +177,81 @@ class EventReporter:
     def _aggregate(self, key: tuple[str, str], slot: _Slot, now: float) -> None:
         assert slot.name is not None
         count = slot.count + slot.pending
+        # Only `series` may change on an events.k8s.io/v1 Event; the note of the first occurrence stays.
         self.api.patch_event(
             self.namespace,
             slot.name,
-            {"series": {"count": count, "lastObservedTime": micro_time(slot.last_seen or now)}, "note": slot.note},
+            {"series": {"count": count, "lastObservedTime": micro_time(slot.last_seen or now)}},
         )
         slot.count, slot.pending, slot.last_write = count, 0, now
         if self.on_write:
             self.on_write(key[0])
+
+
+class EventPublisher:
+    """Writes Events on their own thread, with their own backoff: a slow or failing Event write never
+    delays a condition write."""
+
+    def __init__(
+        self,
+        reporter: EventReporter,
+        retry_cap_s: float = 30.0,
+        log: Any = None,
+        on_drop: Callable[[int], None] | None = None,
+    ) -> None:
+        self.reporter = reporter
+        self.count_drop = on_drop
+        self.retry_cap_s = retry_cap_s
+        self.log = log or get_logger()
+        self.failures = 0
+        self.state = "ok"  # "ok" or why the last write failed, logged once per change
+        self.stop = threading.Event()
+        self._kick = threading.Event()
+        self._dropped: set[tuple[str, int]] = set()
+        self.thread: threading.Thread | None = None
+        reporter.on_drop = self._on_drop
+
+    def record(self, reason: str, note: str, gpu: str = "", type_: str = "Warning", action: str = "Detected") -> None:
+        self.reporter.record(reason, note, gpu, type_, action)
+        self._kick.set()
+
+    def start(self) -> EventPublisher:
+        self.thread = threading.Thread(target=self._run, name="events", daemon=True)
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        self.stop.set()
+        self._kick.set()
+
+    def _on_drop(self, p: PendingEvent | None, e: ApiError) -> None:
+        if self.count_drop is not None:
+            self.count_drop(e.status)
+        key = (p.reason if p else "aggregate", e.status)
+        if key not in self._dropped:
+            self._dropped.add(key)
+            self.log.warning("Event refused by the API; dropped", reason=key[0], code=e.status, error=str(e)[:300])
+
+    def _run(self) -> None:
+        wait: float | None = None
+        while not self.stop.is_set():
+            self._kick.wait(wait)
+            self._kick.clear()
+            if self.stop.is_set():
+                return
+            try:
+                self.reporter.flush()
+                if self.state != "ok":
+                    self.log.info("Event writes succeed again", previous=self.state)
+                self.state, self.failures = "ok", 0
+                wait = self.reporter.due_in()
+            except ApiError as e:
+                self.failures += 1
+                state = f"http_{e.status}" if e.status else "unreachable"
+                if state != self.state:
+                    self.log.warning("Event write failed; retrying with backoff", state=state, error=str(e)[:300])
+                self.state = state
+                wait = min(self.retry_cap_s, 0.5 * 2 ** min(self.failures - 1, 10)) * random.uniform(0.8, 1.2)
+            except Exception as e:  # a bug here must not stop Events for good
+                self.log.exception("Event publisher error", error=str(e))
+                wait = self.retry_cap_s

@@ -1,5 +1,7 @@
 """Prometheus metrics (prefix gpu_ready_), an API: names and labels are documented in docs/metrics.md.
-Label values are bounded: reasons, checks, Xid numbers, GPU indices and bus ids; never free text."""
+Label values are bounded: reasons, checks, Xid numbers, GPU indices and bus ids; never free text.
+`pci_bus_id` has one form on every metric, NVML's `00000000:3B:00.0` (PciAddress.nvml), so that
+metrics join on it in PromQL."""
 
 from __future__ import annotations
 
@@ -16,11 +18,18 @@ from prometheus_client import (
 )
 
 from agent import __version__
-from agent.model import Reason, Status, Verdict, XidEvent
+from agent.model import PciAddress, Reason, Status, Verdict, XidEvent
 
 disable_created_metrics()  # *_created series double the series count and nothing here uses them
 
 CHECKS = ("nvidia_smi", "pci", "device_plugin", "nvml", "xid")
+
+
+def bus_id_label(raw: str) -> str:
+    """The canonical `pci_bus_id` label value: `00000000:3B:00.0` for any address form the kernel,
+    nvidia-smi, NVML or sysfs prints; an unparseable address is kept (bounded) as printed."""
+    addr = PciAddress.parse(raw[:32])
+    return addr.nvml if addr is not None else raw[:20]
 
 
 class Metrics:
@@ -78,6 +87,17 @@ class Metrics:
             "gpu_ready_events", "Kubernetes Events written (create or aggregate patch)", ["reason"], registry=r
         )
         self.last_cycle = Gauge("gpu_ready_last_cycle_timestamp_seconds", "When the last check cycle ended", registry=r)
+        self.state_write_failures = Counter(
+            "gpu_ready_state_write_failures",
+            "Writes of the latched-fault state file that failed (the latch is then kept in memory only)",
+            registry=r,
+        )
+        self.events_dropped = Counter(
+            "gpu_ready_events_dropped",
+            "Events the API refused for good (not retried); the condition is not affected",
+            ["code"],
+            registry=r,
+        )
         self.build_info = Gauge(
             "gpu_ready_build_info", "Always 1; the version label says which build", ["version"], registry=r
         )
@@ -85,6 +105,7 @@ class Metrics:
         for c in CHECKS:
             self.check_failures.labels(c)
         self.smi_timeouts.inc(0)
+        self.state_write_failures.inc(0)
         self._xid_children: dict[tuple[int, str, bool], Any] = {}
         self._gpu_labels: set[tuple[str, str, str]] = set()
 
@@ -94,7 +115,9 @@ class Metrics:
     def observe_xid_key(self, key: tuple[int, str, bool], n: int = 1) -> None:
         child = self._xid_children.get(key)
         if child is None:
-            child = self._xid_children[key] = self.xid.labels(str(key[0]), key[1][:20], "true" if key[2] else "false")
+            child = self._xid_children[key] = self.xid.labels(
+                str(key[0]), bus_id_label(key[1]), "true" if key[2] else "false"
+            )
         child.inc(n)
 
     def api_request(self, verb: str, code: int) -> None:

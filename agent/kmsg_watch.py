@@ -1,0 +1,158 @@
+"""The kernel-log watcher: follows /dev/kmsg (select(), or inotify on a regular file), parses each
+record (xid.py), latches fatal GPU errors in the state file and wakes the loop at once, so detection
+never waits for the poll. Records are read in bounded batches, so a storm never sits in memory whole.
+
+Path of one kernel-log line: probes/kmsg.py (record) -> xid.py (XidEvent) -> here (latched, loop
+woken) -> policy.py/verdict.py (Verdict) -> report/condition.py (the PATCH)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agent.logs import get_logger
+from agent.model import XidEvent
+from agent.probes.kmsg import KmsgRecord, KmsgSource, KmsgUnavailable
+from agent.report.metrics import Metrics
+from agent.state import LatchState
+from agent.xid import KernelLogParser
+
+KMSG_BATCH = 2000  # records parsed per read: bounds memory in a storm
+
+
+class KernelLogIngest:
+    """The kernel-log hot path: parse records, count GPU errors (one metric update per key and batch),
+    latch fatal ones. Returns the newly latched events."""
+
+    def __init__(self, parser: KernelLogParser, state: LatchState, metrics: Metrics) -> None:
+        self.parser, self.state, self.metrics = parser, state, metrics
+
+    def process(self, records: list[KmsgRecord], now: float | None = None) -> list[XidEvent]:
+        fresh: list[XidEvent] = []
+        now = time.time() if now is None else now
+        counts: dict[tuple[int, str, bool], int] = {}
+        feed, latch = self.parser.feed, self.state.latch
+        for r in records:
+            for ev in feed(r.text, r.seq, r.usec):
+                key = (ev.xid, ev.raw_address, ev.fatal)
+                counts[key] = counts.get(key, 0) + 1
+                if ev.fatal and latch(ev, now) is not None:
+                    fresh.append(ev)
+        for key, n in counts.items():
+            self.metrics.observe_xid_key(key, n)
+        return fresh
+
+
+class KmsgWatcher:
+    """Reads the kernel log on its own thread. `wake()` is called when something the verdict depends on
+    changed (a new latched fault, the log became unreadable or readable again, records were lost)."""
+
+    def __init__(
+        self,
+        source: KmsgSource,
+        ingest: KernelLogIngest,
+        metrics: Metrics,
+        wake: Callable[[], None],
+        retry_s: float,
+        log: Any = None,
+    ) -> None:
+        self.source, self.ingest, self.metrics, self.wake = source, ingest, metrics, wake
+        self.retry_s = retry_s
+        self.log = log or get_logger()
+        self.problem: str | None = None  # why the kernel log cannot be read; None when it can
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._fresh: list[XidEvent] = []
+        self._rerun = False
+        self.thread: threading.Thread | None = None
+
+    # -- what the loop takes --------------------------------------------------------------------------
+
+    def take_fresh(self) -> list[XidEvent]:
+        """Fatal events latched since the last call (for Events)."""
+        with self._lock:
+            fresh, self._fresh = self._fresh, []
+        return fresh
+
+    def take_rerun(self) -> bool:
+        """Whether records were lost since the last call (the level checks should run again now)."""
+        with self._lock:
+            rerun, self._rerun = self._rerun, False
+        return rerun
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is None or self.thread.is_alive() or self.stop.is_set()
+
+    # -- reading --------------------------------------------------------------------------------------
+
+    def read_available(self) -> bool:
+        """Reads what is there now, batch by batch; returns whether a fatal event was latched."""
+        new = False
+        while True:
+            more, latched = self._read_batch()
+            if latched:
+                new = True
+                self.wake()  # report at once; keep reading the rest of a storm
+            if not more:
+                return new
+
+    def _read_batch(self) -> tuple[bool, bool]:
+        src = self.source
+        try:
+            before = src.records_read
+            records, lost = src.read_available(KMSG_BATCH)
+        except KmsgUnavailable as e:
+            if self.problem != str(e):
+                self.log.error("kernel log unavailable", check="xid", error=str(e))
+                self.problem = str(e)
+                self.wake()
+            src.close()
+            return False, False
+        if self.problem is not None:
+            self.log.info("kernel log readable again", check="xid", path=src.path)
+            self.problem = None
+            self.wake()
+        if lost:
+            self.metrics.kmsg_lost.inc(lost)
+            self.log.warning(
+                "kernel-log records lost before they were read; re-running level checks", check="xid", lost=lost
+            )
+            with self._lock:
+                self._rerun = True
+            self.wake()
+        fresh = self.ingest.process(records)
+        for ev in fresh:
+            self.log.warning(
+                "fatal GPU error latched", xid=ev.xid, gpu=ev.raw_address, source=ev.source, text=ev.text[:200]
+            )
+        if fresh:
+            with self._lock:
+                self._fresh += fresh
+        self.metrics.kmsg_records.inc(src.records_read - before)
+        return len(records) >= KMSG_BATCH, bool(fresh)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="kmsg-watcher", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                if self.source.fd is None:
+                    if self.problem is not None and self.stop.wait(self.retry_s):
+                        return
+                    self.read_available()
+                    continue
+                if self.source.wait(0.5):
+                    self.read_available()
+            except Exception as e:  # never die silently: log, back off, go on
+                self.log.exception("kernel-log watcher error", check="xid", error=str(e))
+                self.source.close()
+                self.stop.wait(1.0)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.source.close()
