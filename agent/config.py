@@ -168,6 +168,25 @@ def label_key(v: Any) -> str:
     return s
 
 
+_QUALIFIED_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def qualified_name(v: Any) -> str:
+    """A Kubernetes qualified name, `[prefix/]name`: the prefix a DNS subdomain (at most 253), the name at
+    most 63 letters, digits, '-', '_', '.' starting and ending alphanumeric. Taint keys and condition types
+    such as `gpu-ready.io/gpu-not-ready` or `nvidia.com/GPUReady`."""
+    s = to_str(v)
+    prefix, slash, name = s.rpartition("/")
+    if (
+        len(s) > 317
+        or len(prefix) > 253
+        or not _LABEL_NAME.fullmatch(name)
+        or (slash and not _QUALIFIED_PREFIX.fullmatch(prefix))
+    ):
+        raise ValueError(f"expected a qualified name ([prefix/]name, e.g. example.com/Name), got {_show(v)}")
+    return s
+
+
 def host_port(v: Any) -> str:
     """`host:port`, `:port` or `[v6]:port` with a port from 0 to 65535."""
     s = to_str(v).strip()
@@ -191,6 +210,32 @@ def readable_file(v: Any) -> str:
     if not os.access(s, os.R_OK):
         raise ValueError(f"cannot read {_show(v)}")
     return s
+
+
+def share(v: Any) -> float:
+    """A fraction from 0 (inclusive) to 1 (exclusive)."""
+    x = to_float(v)
+    if not 0 <= x < 1:
+        raise ValueError(f"expected a fraction from 0 up to (not including) 1, got {x:g}")
+    return x
+
+
+def metrics_url(v: Any) -> str:
+    """An exporter's metrics address: `http(s)://host:port/path`, or `host:port` for `http://host:port/metrics`."""
+    s = to_str(v).strip()
+    if "://" not in s:
+        if host_port(s).startswith(":"):
+            raise ValueError(f"expected host:port with a host, got {_show(v)}")
+        return f"http://{s}/metrics"
+    scheme, _, rest = s.partition("://")
+    hostport, slash, _path = rest.partition("/")
+    if scheme not in ("http", "https") or not hostport or any(c in s for c in " \t\r\n"):
+        raise ValueError(f"expected http://host:port/metrics or host:port, got {_show(v)}")
+    if ":" in hostport.rpartition("]")[2]:
+        host_port(hostport)
+    elif not _HOSTNAME.fullmatch(hostport.strip("[]")):
+        raise ValueError(f"expected http://host:port/metrics or host:port, got {_show(v)}")
+    return s if slash else s + "/metrics"
 
 
 def _show(v: Any) -> str:
@@ -244,6 +289,39 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("nvml", choice("auto", "on", "off"), "auto", "NVML checks: auto = when libnvidia-ml loads"),
     Setting("nvml_timeout", positive(to_float, 3600), 10.0, "deadline for one NVML call, seconds"),
     Setting("nvml_nvlink", to_bool, True, "report NVLink links down (NVML)"),
+    # Degradation signals (issue 18); docs/degradation.md gives each default's source.
+    Setting("pcie", to_bool, True, "judge PCIe links from sysfs (width below what both ends can do: GPUDegraded)"),
+    Setting("pcie_bridges", to_bool, True, "also judge the PCIe links above each GPU (switch and root ports)"),
+    Setting("pcie_speed", to_bool, True, "judge PCIe link speed too (only while NVML says the GPU is busy)"),
+    Setting(
+        "pcie_busy_utilization", in_range(to_int, 0, 100), 50, "NVML GPU utilisation % at which PCIe speed is judged"
+    ),
+    Setting("device_nodes", to_bool, True, "check the NVIDIA device nodes (nvidiactl, nvidia-uvm, nvidia<N>)"),
+    Setting("dev_root", to_str, "/dev", "where the device nodes are (/run/nvidia/driver/dev: driver container)"),
+    Setting("require_uvm", to_bool, True, "/dev/nvidia-uvm is required (every CUDA program needs it)"),
+    Setting("proc_root", to_str, "/proc", "procfs to read GPU minor numbers from (driver/nvidia/gpus/<bdf>)"),
+    Setting("clock_events", to_bool, True, "count hardware clock slowdowns over a window (NVML)"),
+    Setting("clock_window", positive(to_float, DAY), 600.0, "window for the clock-slowdown share, seconds"),
+    Setting("clock_max_slowed_share", share, 0.3, "share of slowed samples in the window that is degraded"),
+    Setting("clock_min_samples", in_range(to_int, 1, 100_000), 5, "fewer samples in the window: not judged"),
+    Setting(
+        "thermal_margin_min",
+        optional(in_range(to_float, -100, 200)),
+        None,
+        "thermal margin (C) at or below which a GPU is degraded (unset: off)",
+    ),
+    Setting("xid_rate", to_bool, True, "count repeated non-fatal Xids per GPU"),
+    Setting("xid_rate_count", in_range(to_int, 1, 100_000), 3, "this many of the same non-fatal Xid on one GPU ..."),
+    Setting("xid_rate_window", positive(to_float, DAY), 600.0, "... within this many seconds: GPUDegraded"),
+    Setting("xid_rate_ignore", to_int_list, (45,), "Xids the rate never counts (comma list)"),
+    Setting(
+        "dcgm_exporter",
+        optional(metrics_url),
+        None,
+        "dcgm-exporter metrics address on this node (host:port or URL; unset: cross-check off)",
+    ),
+    Setting("dcgm_required", to_bool, False, "an unreachable dcgm-exporter is 'could not check' (else informational)"),
+    Setting("dcgm_timeout", positive(to_float, 600), 5.0, "timeout for one dcgm-exporter scrape, seconds"),
     Setting("expected_gpus", optional(non_negative(to_int, 4096)), None, "GPUs this node must have (unset: no floor)"),
     Setting("xid_fatal", to_int_list, (), "Xids fatal in addition to the catalog's (comma list)"),
     Setting("xid_ignore", to_int_list, (), "Xids never fatal (comma list)"),
@@ -273,14 +351,29 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "event_namespace",
-        dns_label,
+        choice("default", "kube-system"),
         "default",
-        "namespace the agent writes its Events in (default: $POD_NAMESPACE, else default)",
-        env="POD_NAMESPACE",
+        "namespace of the agent's Events about its Node (the apiserver accepts Events about a cluster-scoped "
+        "object only in default or kube-system)",
     ),
     Setting("metrics_address", host_port, DEFAULT_METRICS_ADDRESS, "host:port for /metrics, /healthz, /readyz"),
     Setting("require_preflight", to_bool, False, "report True only on nodes labelled <preflight-label>=passed"),
     Setting("preflight_label", label_key, "preflight", "label key set by gpu-ready preflight"),
+    Setting(
+        "condition_type",
+        qualified_name,
+        "GPUReady",
+        "Node condition type the agent writes (e.g. nvidia.com/GPUReady); must equal the chart's conditionType",
+    ),
+    Setting(
+        "taints",
+        choice("off", "startup", "continuous"),
+        "off",
+        "gpu-ready's taint on its own Node: off, startup (remove when ready) or continuous (docs/taints.md)",
+    ),
+    Setting("taint_key", qualified_name, "gpu-ready.io/gpu-not-ready", "key of gpu-ready's taint (= chart taints.key)"),
+    Setting("taint_no_execute", to_bool, False, "continuous taints: also NoExecute while a fatal fault is latched"),
+    Setting("taint_unknown_as_false", to_bool, False, "continuous taints: Unknown taints like False"),
     Setting("kubeconfig", optional(readable_file), None, "kubeconfig file (default: in-cluster, then ~/.kube/config)"),
     Setting("api_timeout", positive(to_float, 600), 10.0, "timeout for one API request, seconds"),
     Setting("log_format", choice("auto", "json", "console"), "auto", "auto: JSON unless stderr is a terminal"),
@@ -305,6 +398,26 @@ class Config:
     nvml: str
     nvml_timeout: float
     nvml_nvlink: bool
+    pcie: bool
+    pcie_bridges: bool
+    pcie_speed: bool
+    pcie_busy_utilization: int
+    device_nodes: bool
+    dev_root: str
+    require_uvm: bool
+    proc_root: str
+    clock_events: bool
+    clock_window: float
+    clock_max_slowed_share: float
+    clock_min_samples: int
+    thermal_margin_min: float | None
+    xid_rate: bool
+    xid_rate_count: int
+    xid_rate_window: float
+    xid_rate_ignore: tuple[int, ...]
+    dcgm_exporter: str | None
+    dcgm_required: bool
+    dcgm_timeout: float
     expected_gpus: int | None
     xid_fatal: tuple[int, ...]
     xid_ignore: tuple[int, ...]
@@ -319,6 +432,11 @@ class Config:
     metrics_address: str
     require_preflight: bool
     preflight_label: str
+    condition_type: str
+    taints: str
+    taint_key: str
+    taint_no_execute: bool
+    taint_unknown_as_false: bool
     kubeconfig: str | None
     api_timeout: float
     log_format: str

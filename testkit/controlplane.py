@@ -32,6 +32,12 @@ from agent.kube import ApiError, KubeApi
 REPO = Path(__file__).resolve().parents[1]
 
 
+def k8s_version() -> str:
+    """The Kubernetes version the test control plane is built at (tools/k8s-testbin/versions.env)."""
+    text = (REPO / "tools" / "k8s-testbin" / "versions.env").read_text()
+    return next(ln.split("=", 1)[1].strip().strip('"') for ln in text.splitlines() if ln.startswith("K8S_VERSION="))
+
+
 def testbin_dir() -> Path | None:
     env = os.environ.get("GPU_READY_TESTBIN_DIR")
     if env:
@@ -89,6 +95,9 @@ class ControlPlane:
         self.controller_manager: subprocess.Popen[bytes] | None = None
         self.component_ports: dict[str, int] = {}
         self.component_start_seconds: dict[str, float] = {}
+        # more flags per component ("kube-apiserver", "kube-scheduler", "kube-controller-manager"), e.g. feature
+        # gates and --runtime-config for a beta API; set before start() / start_scheduler() / ...
+        self.extra_args: dict[str, list[str]] = {}
 
     def start(self, timeout_s: float = 90.0) -> ControlPlane:
         t0 = time.monotonic()
@@ -117,6 +126,9 @@ class ControlPlane:
             f"--etcd-servers=http://127.0.0.1:{ep}",
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",
+            # 1.37 refuses a loopback advertise address with the lease endpoint reconciler ("cannot use public
+            # IP 127.0.0.1 with endpoint reconciler"); nothing here needs the kubernetes Service's endpoints.
+            "--endpoint-reconciler-type=none",
             f"--secure-port={self.port}",
             f"--cert-dir={w / 'certs'}",
             "--service-cluster-ip-range=10.0.0.0/24",
@@ -131,6 +143,7 @@ class ControlPlane:
             "--profiling=false",
             "--v=1",
         ]
+        self._api_args += self.extra_args.get("kube-apiserver", [])
         self._spawn_etcd()
         self._spawn_apiserver()
         self.wait_ready(timeout_s)
@@ -206,6 +219,7 @@ class ControlPlane:
             f"--secure-port={port}",
             f"--cert-dir={self.workdir / 'certs' / name}",
             "--v=2",
+            *self.extra_args.get(name, []),
         ]
 
     def start_scheduler(self, timeout_s: float = 90.0) -> None:

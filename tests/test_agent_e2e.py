@@ -495,11 +495,9 @@ def test_xid_reaches_the_node_within_a_second_while_every_event_gets_422(admin, 
 
 
 def test_events_go_to_the_configured_namespace(admin, agent_factory):
-    from testkit.cluster import ensure_namespace
-
-    ensure_namespace(admin, "gpu-ready-events")
-    a = agent_factory(extra={"--event-namespace": "gpu-ready-events"})
+    # The apiserver accepts Events about a cluster-scoped Node only in default or kube-system.
+    a = agent_factory(extra={"--event-namespace": "kube-system"})
     a.wait_status(admin, "True")
-    evs = wait_for(lambda: events_for(admin, a.node, "gpu-ready-events"), 20, what="an Event in gpu-ready-events")
+    evs = wait_for(lambda: events_for(admin, a.node, "kube-system"), 20, what="an Event in kube-system")
     assert evs[0]["reason"] == "GPUsHealthy" and evs[0]["reportingController"] == "gpu-ready"
     assert events_for(admin, a.node) == []

@@ -16,12 +16,12 @@ import yaml
 
 from agent.kube import ApiError
 from testkit.cluster import ensure_namespace, now_rfc3339
-from testkit.controlplane import ControlPlane
+from testkit.controlplane import ControlPlane, k8s_version
 from tests.test_observability import tool
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "gpu-ready"
-KUBE_VERSION = "1.36.3"
+KUBE_VERSION = k8s_version()
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or "kubectl"
 
 VALUE_SETS = {
@@ -181,7 +181,9 @@ def test_offline_strict_schema_validation(name, tmp_path):
     f = tmp_path / "m.yaml"
     f.write_text(yaml.safe_dump_all(docs))
     validate = Path(sys.executable).parent / "kubernetes-validate"
-    r = subprocess.run([str(validate), "-k", "1.36.0", "--strict", str(f)], capture_output=True, text=True)
+    r = subprocess.run(
+        [str(validate), "-k", KUBE_VERSION.rsplit(".", 1)[0] + ".0", "--strict", str(f)], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("passed") == len(docs)
 

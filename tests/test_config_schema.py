@@ -19,7 +19,7 @@ BY_KEY = {s.file_key: s for s in config.SETTINGS}
 # make no sense in a cluster: not part of `config`.
 CHART_MANAGED = {
     "nodeName": "NODE_NAME from spec.nodeName",
-    "eventNamespace": "POD_NAMESPACE / GPU_READY_EVENT_NAMESPACE from the release namespace",
+    "eventNamespace": "GPU_READY_EVENT_NAMESPACE from events.namespace (default or kube-system)",
     "sysfsRoot": "the /host/sys mount",
     "kmsg": "the /dev/kmsg mount",
     "kmsgTrustUser": "tests only",

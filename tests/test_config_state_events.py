@@ -40,7 +40,7 @@ def test_precedence_flag_env_file_default(tmp_path):
         ({"GPU_READY_METRICS_ADDRESS": "0.0.0.0:70000"}, "metrics-address"),
         ({"GPU_READY_KUBECONFIG": "/nonexistent"}, "kubeconfig"),
         ({"GPU_READY_EVENT_NAMESPACE": "Not_A_Namespace"}, "event-namespace"),
-        ({"POD_NAMESPACE": "-bad"}, "event-namespace"),
+        ({"GPU_READY_EVENT_NAMESPACE": "gpu-ready"}, "event-namespace"),
         ({"GPU_READY_PREFLIGHT_LABEL": "a b"}, "preflight-label"),
         ({"GPU_READY_EXPECTED_GPUS": "8.5"}, "expected-gpus"),
         ({"GPU_READY_EXPECTED_GPUS": "9" * 5000}, "expected-gpus"),
@@ -84,11 +84,11 @@ def test_config_file_values_are_validated_too(tmp_path):
     assert (cfg.log_level, cfg.recovery_polls) == ("warning", 3)
 
 
-def test_event_namespace_precedence():
+def test_event_namespace_is_one_the_apiserver_accepts_for_a_node():
+    # Events about a cluster-scoped object are accepted only in default or kube-system (422 otherwise).
     assert config.load(None, environ={}).event_namespace == "default"
-    assert config.load(None, environ={"POD_NAMESPACE": "gpu-ready"}).event_namespace == "gpu-ready"
-    env = {"POD_NAMESPACE": "gpu-ready", "GPU_READY_EVENT_NAMESPACE": "ops"}
-    assert config.load(None, environ=env).event_namespace == "ops"
+    assert config.load(None, environ={"POD_NAMESPACE": "gpu-ready"}).event_namespace == "default"
+    assert config.load(None, environ={"GPU_READY_EVENT_NAMESPACE": "kube-system"}).event_namespace == "kube-system"
 
 
 def test_config_is_frozen_and_typed():

@@ -147,10 +147,6 @@ class EventReporter:
         ref: dict[str, Any] = {"apiVersion": "v1", "kind": "Node", "name": self.node}
         if self.node_uid:
             ref["uid"] = self.node_uid
-        if self.namespace not in ("", "default"):
-            # The apiserver accepts an Event about a cluster-scoped object only in "default" unless the
-            # reference names the Event's namespace (422 "does not match event.namespace" otherwise).
-            ref["namespace"] = self.namespace
         return ref
 
     def _create(self, p: PendingEvent, slot: _Slot) -> None:

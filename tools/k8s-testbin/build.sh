@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the real control plane used by the tests (kube-apiserver + etcd, kube-scheduler, kube-controller-manager) and the chart/alert
+# Build the real control plane used by the tests (kube-apiserver + etcd, kube-scheduler, kube-controller-manager, kubelet) and the chart/alert
 # tooling (helm, promtool, kubectl), caching everything outside the repo keyed by version.
 # A second run with the same versions costs nothing.
 #
@@ -36,6 +36,8 @@ build etcd go.etcd.io/etcd/server/v3
 k8s_ld="-X k8s.io/component-base/version.gitVersion=v$K8S_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$MINOR"
 build kube-scheduler k8s.io/kubernetes/cmd/kube-scheduler "$k8s_ld"
 build kube-controller-manager k8s.io/kubernetes/cmd/kube-controller-manager "$k8s_ld"
+# kubelet (same module) for the real-node tests.
+build kubelet k8s.io/kubernetes/cmd/kubelet "$k8s_ld"
 
 if [ ! -x "$bin/helm" ]; then
   log "helm: go install helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
