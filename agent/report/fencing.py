@@ -1,0 +1,573 @@
+"""Per-GPU fencing on DRA nodes: one `DeviceTaintRule` (resource.k8s.io, KEP-5055) per device of a GPU with a fault
+gpu-ready attributes to that GPU, so the scheduler keeps the node's other GPUs serving (docs/fencing.md).
+
+- Which GPUs: a fatal Xid (or fallen off the bus), an nvidia-smi ERR! field or an NVML health fault on that GPU,
+  as the published Verdict lists them per GPU (after hysteresis). Node-level faults (nvidia-smi cannot run, SXid,
+  counts, the device plugin) fence nothing: they stay on the node condition.
+- Which devices: the GPU's `type=gpu` device and every MIG device whose `parentUUID` is that GPU (the NVIDIA
+  driver itself does not propagate a parent's fault: dra-driver-nvidia-gpu#1316). A rule's selector holds only
+  driver, pool and device, hence one rule per device.
+- The rule: name `gpu-ready.<node>.<device>` (a hash of the node when that is over 253 characters), labels
+  `app.kubernetes.io/managed-by=gpu-ready` and `gpu-ready.io/node=<node>`, annotation `gpu-ready.io/gpu=<PCI bus
+  id>`, taint `gpu-ready.io/unhealthy=<reason>` with effect None (dry run: the eviction controller only reports
+  what NoExecute would do), NoSchedule, or NoExecute (opt-in).
+- Clearing: rules are found by label on every reconcile (not remembered), so a rule goes when its GPU is healthy
+  again (recovery after hysteresis, `clear-before`, a new boot), also after an agent restart. A GPU whose health
+  could not be checked (Unknown) keeps its rules; so does every rule while the slices cannot be read.
+
+`fence_view` and `plan_fencing` are pure; `FenceReporter` does one LIST (by label) per reconcile and one write
+(POST, PUT or DELETE) per rule that changes: fencing a GPU with k MIG devices costs 1 + k writes, clearing it the
+same. Events and metrics are callbacks/objects handed in."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+from urllib.parse import quote
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from agent.kube import ApiError, KubeApi
+from agent.model import PciAddress, Reason, Status, Verdict
+from agent.probes.dra import DEFAULT_DRIVER, DraGpu, DraInventory, match_gpus
+
+TAINT_KEY = "gpu-ready.io/unhealthy"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "gpu-ready"
+NODE_LABEL = "gpu-ready.io/node"
+GPU_ANNOTATION = "gpu-ready.io/gpu"
+NAME_PREFIX = "gpu-ready."
+GROUP = "resource.k8s.io"
+VERSIONS = ("v1", "v1beta2")  # 1.37: v1; 1.36 with the DRADeviceTaintRules gate: v1beta2
+FENCE_REASONS: tuple[Reason, ...] = (Reason.FATAL_XID, Reason.NVIDIA_SMI_ERR, Reason.NVML_HEALTH)
+MAX_NAME = 253
+MAX_LABEL_VALUE = 63
+MAX_RULES_LISTED = 1000  # bounds the work on a malformed list
+DEFAULT_MAX_RULES = 128  # per node: 8 GPUs with 7 MIG devices each need 64
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+
+EventHook = Callable[[str, str, str, str, str], None]  # (reason, note, gpu, type, action): EventReporter.record
+
+
+class FenceEffect(StrEnum):
+    NONE = "None"  # dry run: the rule exists, the scheduler and the eviction controller ignore it
+    NO_SCHEDULE = "NoSchedule"  # no new claims on the device; running pods stay
+    NO_EXECUTE = "NoExecute"  # and pods using the device are evicted
+
+
+@dataclass(frozen=True)
+class FencingSettings:
+    enabled: bool = False
+    effect: FenceEffect = FenceEffect.NONE
+    driver: str = DEFAULT_DRIVER
+    max_rules: int = DEFAULT_MAX_RULES
+    resync_s: float = 300.0  # re-list the rules at least this often when nothing changed
+
+
+# -- pure: what the verdict says about each GPU --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FenceView:
+    """The verdict, per GPU, as fencing needs it."""
+
+    faulty: Mapping[PciAddress, Reason] = field(default_factory=dict)  # GPU-attributed faults (first by priority)
+    healthy: frozenset[PciAddress] = frozenset()  # checked and clean this cycle
+    hold_all: bool = False  # the verdict is Unknown: nothing is cleared
+    hold_reasons: frozenset[str] = frozenset()  # rules with these taint values are kept (see fence_view)
+
+
+def problem_reason(problem: str) -> Reason | None:
+    """The Reason of one GpuStatus problem (`"<Reason>: <text>"`, as verdict.decide writes them)."""
+    head = problem.split(":", 1)[0]
+    try:
+        return Reason(head)
+    except ValueError:
+        return None
+
+
+def fence_view(verdict: Verdict) -> FenceView:
+    """faulty: GPUs whose row lists a FatalXid, NvidiaSmiErr or NvmlHealth problem; healthy: rows checked clean.
+    A FatalXid that the verdict holds for the node without naming a GPU (a condition kept across a restart whose
+    latch file was lost) keeps existing FatalXid rules: the rule is the only record of which GPU it was."""
+    faulty: dict[PciAddress, Reason] = {}
+    healthy = set()
+    named_fatal = False
+    for row in verdict.gpus:
+        addr = PciAddress.parse(row.pci_bus_id)
+        if addr is None:
+            continue
+        reasons = {r for r in (problem_reason(p) for p in row.problems) if r is not None}
+        named_fatal |= Reason.FATAL_XID in reasons
+        fence = [r for r in FENCE_REASONS if r in reasons]
+        if fence:
+            faulty[addr] = fence[0]
+        elif row.healthy is not None:  # checked this cycle (nvidia-smi ran) and no GPU-attributed fault
+            healthy.add(addr)
+    hold = (
+        frozenset({Reason.FATAL_XID.value}) if Reason.FATAL_XID in verdict.reasons and not named_fatal else frozenset()
+    )
+    return FenceView(faulty, frozenset(healthy), verdict.status is Status.UNKNOWN, hold)
+
+
+# -- pure: names and bodies ------------------------------------------------------------------------------------
+
+
+def _digest(text: str, n: int) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+def rule_name(node: str, device: str) -> str:
+    """`gpu-ready.<node>.<device>`; when that is over 253 characters the node part is cut and a hash of the
+    node added, so the name stays unique and deterministic."""
+    name = f"{NAME_PREFIX}{node}.{device}"
+    if len(name) <= MAX_NAME:
+        return name
+    keep = MAX_NAME - len(NAME_PREFIX) - len(device) - 1 - 17
+    head = node[: max(keep, 1)].rstrip(".-") or "n"
+    return f"{NAME_PREFIX}{head}-{_digest(node, 16)}.{device}"
+
+
+def node_label(node: str) -> str:
+    """The gpu-ready.io/node label value: the node name when it is a valid label value, else a hash."""
+    if len(node) <= MAX_LABEL_VALUE and _LABEL_VALUE.fullmatch(node):
+        return node
+    return f"sha256-{_digest(node, 40)}"
+
+
+def valid_name(name: str) -> bool:
+    return len(name) <= MAX_NAME and _SUBDOMAIN.fullmatch(name) is not None
+
+
+@dataclass(frozen=True)
+class DesiredRule:
+    name: str
+    node: str
+    driver: str
+    pool: str
+    device: str
+    gpu: PciAddress
+    reason: Reason
+    effect: FenceEffect
+
+    def spec(self, time_added: str | None = None) -> dict[str, Any]:
+        taint: dict[str, Any] = {"key": TAINT_KEY, "value": self.reason.value, "effect": self.effect.value}
+        if time_added:
+            taint["timeAdded"] = time_added
+        selector = {"driver": self.driver, "pool": self.pool, "device": self.device}
+        return {"deviceSelector": selector, "taint": taint}
+
+    def body(self, api_version: str, resource_version: str | None = None, time_added: str | None = None) -> dict:
+        meta: dict[str, Any] = {
+            "name": self.name,
+            "labels": {MANAGED_BY_LABEL: MANAGED_BY, NODE_LABEL: node_label(self.node)},
+            "annotations": {GPU_ANNOTATION: self.gpu.nvml},
+        }
+        if resource_version:
+            meta["resourceVersion"] = resource_version
+        return {
+            "apiVersion": f"{GROUP}/{api_version}",
+            "kind": "DeviceTaintRule",
+            "metadata": meta,
+            "spec": self.spec(time_added),
+        }
+
+
+@dataclass(frozen=True)
+class ExistingRule:
+    """A DeviceTaintRule as listed (only the fields fencing compares)."""
+
+    name: str
+    uid: str
+    resource_version: str
+    driver: str
+    pool: str
+    device: str
+    key: str
+    value: str
+    effect: str
+    time_added: str | None
+    gpu: PciAddress | None  # from the gpu-ready.io/gpu annotation
+
+    def same_as(self, d: DesiredRule) -> bool:
+        return (self.driver, self.pool, self.device, self.key, self.value, self.effect) == (
+            d.driver,
+            d.pool,
+            d.device,
+            TAINT_KEY,
+            d.reason.value,
+            d.effect.value,
+        )
+
+
+def _s(v: Any) -> str:
+    return v if isinstance(v, str) else ""
+
+
+def _obj(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+def parse_rules(items: Any) -> list[ExistingRule]:
+    """DeviceTaintRules from a list's `items`; entries without a name are skipped. Never raises."""
+    out = []
+    for r in (items if isinstance(items, list) else [])[:MAX_RULES_LISTED]:
+        if not isinstance(r, dict):
+            continue
+        meta, spec = _obj(r.get("metadata")), _obj(r.get("spec"))
+        sel, taint, ann = _obj(spec.get("deviceSelector")), _obj(spec.get("taint")), _obj(meta.get("annotations"))
+        name = _s(meta.get("name"))
+        if not name:
+            continue
+        out.append(
+            ExistingRule(
+                name,
+                _s(meta.get("uid")),
+                _s(meta.get("resourceVersion")),
+                _s(sel.get("driver")),
+                _s(sel.get("pool")),
+                _s(sel.get("device")),
+                _s(taint.get("key")),
+                _s(taint.get("value")),
+                _s(taint.get("effect")),
+                _s(taint.get("timeAdded")) or None,
+                PciAddress.parse(_s(ann.get(GPU_ANNOTATION))) if ann.get(GPU_ANNOTATION) else None,
+            )
+        )
+    return out
+
+
+# -- pure: the plan ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FencePlan:
+    create: tuple[DesiredRule, ...] = ()
+    update: tuple[tuple[ExistingRule, DesiredRule], ...] = ()
+    delete: tuple[ExistingRule, ...] = ()
+    keep: tuple[ExistingRule, ...] = ()  # as wanted, or held (health unknown)
+    notes: tuple[str, ...] = ()  # faulty GPUs that cannot be fenced, and why
+
+    def __bool__(self) -> bool:
+        return bool(self.create or self.update or self.delete)
+
+    @property
+    def writes(self) -> int:
+        return len(self.create) + len(self.update) + len(self.delete)
+
+
+def desired_rules(
+    view: FenceView, inventory: DraInventory | None, node: str, settings: FencingSettings
+) -> tuple[list[DesiredRule], list[str], set[PciAddress]]:
+    """The rules the faulty GPUs need, notes on those that cannot be fenced, and the faulty GPUs whose devices
+    are unknown (no inventory, or not in the slices): their existing rules are kept."""
+    if inventory is None or inventory.malformed is not None or inventory.incomplete:
+        why = "the ResourceSlices could not be read" if inventory is None else "the ResourceSlices are not usable"
+        notes = [f"GPU {a.nvml}: {why}; existing rules kept" for a in sorted(view.faulty)]
+        return [], notes, set(view.faulty)
+    match = match_gpus(inventory.gpus, view.faulty)
+    out: list[DesiredRule] = []
+    notes = []
+    unknown: set[PciAddress] = set()
+    for addr in sorted(view.faulty):
+        g: DraGpu | None = match.matched.get(addr)
+        if g is None:
+            notes.append(f"GPU {addr.nvml} is in no {inventory.driver} ResourceSlice: node-level only")
+            unknown.add(addr)
+            continue
+        for d in g.devices:
+            out.append(
+                DesiredRule(
+                    rule_name(node, d.name), node, d.driver, d.pool, d.name, addr, view.faulty[addr], settings.effect
+                )
+            )
+    if len(out) > settings.max_rules:
+        notes.append(f"{len(out)} devices to fence, more than maxRules {settings.max_rules}: the rest not fenced")
+        out = out[: settings.max_rules]
+    return out, notes, unknown
+
+
+def plan_fencing(
+    view: FenceView,
+    inventory: DraInventory | None,
+    existing: Iterable[ExistingRule],
+    node: str,
+    settings: FencingSettings,
+    verdict_status: Status,
+) -> FencePlan:
+    """Desired vs existing (found by label). Pure. A rule not wanted any more is deleted when its GPU is healthy
+    or its devices changed, and kept while its GPU's health is unknown."""
+    want, notes, unknown = desired_rules(view, inventory, node, settings)
+    by_name = {d.name: d for d in want}
+    update: list[tuple[ExistingRule, DesiredRule]] = []
+    delete: list[ExistingRule] = []
+    keep: list[ExistingRule] = []
+    seen = set()
+    for r in sorted(existing, key=lambda r: r.name):
+        seen.add(r.name)
+        d = by_name.get(r.name)
+        if d is not None:
+            if r.same_as(d):
+                keep.append(r)
+            else:
+                update.append((r, d))
+            continue
+        if view.hold_all or r.value in view.hold_reasons or (r.gpu is not None and r.gpu in unknown):
+            held = True
+        elif r.gpu is not None and (r.gpu in view.faulty or r.gpu in view.healthy):
+            held = False  # healthy again, or its devices changed (a new MIG layout)
+        else:  # no row for its GPU (or no annotation): only a healthy node clears it
+            held = verdict_status is not Status.TRUE
+        (keep if held else delete).append(r)
+    create = [d for d in want if d.name not in seen]
+    return FencePlan(tuple(create), tuple(update), tuple(delete), tuple(keep), tuple(notes))
+
+
+# -- the reporter ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FencedDevice:
+    rule: str
+    device: str
+    gpu: str  # PCI bus id ("" when the rule has no gpu-ready.io/gpu annotation)
+    reason: str
+    effect: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"rule": self.rule, "device": self.device, "gpu": self.gpu, "reason": self.reason, "effect": self.effect}
+
+
+@dataclass
+class FenceResult:
+    plan: FencePlan = field(default_factory=FencePlan)
+    writes: int = 0  # POST/PUT/DELETE requests made
+    reads: int = 0  # LIST/GET requests made (discovery included)
+    fenced: tuple[FencedDevice, ...] = ()  # the node's rules after this reconcile
+    errors: list[str] = field(default_factory=list)
+    unsupported: str | None = None  # the cluster serves no DeviceTaintRule API: why
+    skipped: bool = False  # nothing changed since the last reconcile: no request made
+    changed: dict[str, int] = field(default_factory=dict)  # rules "created", "updated", "deleted" (succeeded)
+
+    def summary(self) -> str:
+        """For the condition message: `fenced gpu-3, gpu-3-mig-1g10gb-19-0 (NoSchedule)`; "" when none."""
+        if not self.fenced:
+            return ""
+        effects = sorted({f.effect for f in self.fenced})
+        names = ", ".join(f.device for f in self.fenced[:8]) + (
+            f" (+{len(self.fenced) - 8} more)" if len(self.fenced) > 8 else ""
+        )
+        return f"fenced {names} ({'/'.join(effects)})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fenced": [f.to_json() for f in self.fenced],
+            "notes": list(self.plan.notes),
+            "errors": list(self.errors),
+            "unsupported": self.unsupported,
+            "writes": self.writes,
+        }
+
+
+class FenceMetrics:
+    """`gpu_ready_fenced_device{device, pci_bus_id, reason, effect}` 1 per rule the node has (as last listed or
+    written); `gpu_ready_fence_changes_total{change}` rules created, updated, deleted;
+    `gpu_ready_fence_errors_total` reconcile requests that failed."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.fenced = Gauge(
+            "gpu_ready_fenced_device",
+            "1 for each device gpu-ready fences with a DeviceTaintRule",
+            ["device", "pci_bus_id", "reason", "effect"],
+            registry=registry,
+        )
+        self.changes = Counter(
+            "gpu_ready_fence_changes", "DeviceTaintRules created, updated or deleted", ["change"], registry=registry
+        )
+        self.errors = Counter("gpu_ready_fence_errors", "DeviceTaintRule requests that failed", registry=registry)
+
+    def observe(self, result: FenceResult) -> None:
+        self.fenced.clear()
+        for f in result.fenced:
+            self.fenced.labels(f.device, f.gpu, f.reason, f.effect).set(1)
+        for change, n in result.changed.items():
+            self.changes.labels(change).inc(n)
+        if result.errors:
+            self.errors.inc(len(result.errors))
+
+
+class FenceReporter:
+    """Reconciles the node's DeviceTaintRules with the verdict. Needs `list` and `create/update/delete` on
+    devicetaintrules (the chart's admission policy limits the token to rules for devices of its own node)."""
+
+    def __init__(
+        self,
+        api: KubeApi,
+        node: str,
+        settings: FencingSettings,
+        on_event: EventHook | None = None,
+        metrics: FenceMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.api = api
+        self.node = node
+        self.settings = settings
+        self.on_event = on_event
+        self.metrics = metrics
+        self.clock = clock
+        self.api_version: str | None = None
+        self.unsupported: str | None = None
+        self.last: FenceResult | None = None
+        self._last_key: tuple[Any, ...] | None = None
+        self._listed_at = 0.0
+
+    def _key(self, verdict: Verdict, inventory: DraInventory | None) -> tuple[Any, ...]:
+        """What a reconcile depends on besides the rules themselves."""
+        view = fence_view(verdict)
+        want, _, unknown = desired_rules(view, inventory, self.node, self.settings)
+        rules = tuple((d.name, d.driver, d.pool, d.device, d.reason, d.effect) for d in want)
+        return (rules, view.healthy, view.hold_all, view.hold_reasons, frozenset(unknown), verdict.status)
+
+    def discover(self, result: FenceResult) -> str | None:
+        """The served resource.k8s.io version that has devicetaintrules (v1 preferred); cached once found."""
+        if self.api_version is not None:
+            return self.api_version
+        for v in VERSIONS:
+            result.reads += 1
+            try:
+                res = self.api.request("GET", f"/apis/{GROUP}/{v}")
+            except ApiError as e:
+                if e.status in (403, 404):
+                    continue
+                raise
+            names = {r.get("name") for r in res.get("resources") or [] if isinstance(r, dict)}
+            if "devicetaintrules" in names:
+                self.api_version = v
+                return v
+        self.unsupported = (
+            "the cluster serves no DeviceTaintRule API (Kubernetes 1.37, or 1.36 with the DRADeviceTaintRules "
+            "feature gate and resource.k8s.io/v1beta2)"
+        )
+        return None
+
+    def _path(self, version: str, name: str | None = None) -> str:
+        base = f"/apis/{GROUP}/{version}/devicetaintrules"
+        return f"{base}/{quote(name)}" if name else base
+
+    def list_rules(self, version: str) -> list[ExistingRule]:
+        selector = f"{MANAGED_BY_LABEL}={MANAGED_BY},{NODE_LABEL}={node_label(self.node)}"
+        obj = self.api.request("GET", self._path(version), query={"labelSelector": selector}, verb="LIST")
+        return parse_rules(obj.get("items"))
+
+    def reconcile(self, verdict: Verdict, inventory: DraInventory | None, force: bool = False) -> FenceResult:
+        """One LIST, then one write per rule to change. Errors are in the result (never raised); rules that
+        failed to change are retried on the next reconcile. When what the verdict asks for is the same as at the
+        last clean reconcile less than `resync_s` ago, nothing is requested (`skipped`); the first reconcile
+        after a start always lists."""
+        result = FenceResult()
+        if not self.settings.enabled:
+            return result
+        key = self._key(verdict, inventory)
+        last = self.last
+        if (
+            not force
+            and last is not None
+            and not last.errors
+            and key == self._last_key
+            and self.clock() - self._listed_at < self.settings.resync_s
+        ):
+            plan = FencePlan(keep=last.plan.keep, notes=last.plan.notes)
+            return FenceResult(plan, fenced=last.fenced, unsupported=last.unsupported, skipped=True)
+        self._last_key, self._listed_at = key, self.clock()
+        try:
+            version = self.discover(result)
+            if version is None:
+                result.unsupported = self.unsupported
+                return self._done(result)
+            result.reads += 1
+            existing = self.list_rules(version)
+        except ApiError as e:
+            result.errors.append(f"cannot list DeviceTaintRules: {e}")
+            return self._done(result)
+        view = fence_view(verdict)
+        plan = plan_fencing(view, inventory, existing, self.node, self.settings, verdict.status)
+        result.plan = plan
+        now: dict[str, ExistingRule | DesiredRule] = {r.name: r for r in existing}
+        done = result.changed
+        for d in plan.create:
+            if self._create(version, d, result):
+                now[d.name] = d
+                done["created"] = done.get("created", 0) + 1
+        for r, d in plan.update:
+            if self._update(version, r, d, result):
+                now[d.name] = d
+                done["updated"] = done.get("updated", 0) + 1
+        for r in plan.delete:
+            if self._delete(version, r, result):
+                now.pop(r.name, None)
+                done["deleted"] = done.get("deleted", 0) + 1
+        result.fenced = tuple(_fenced(x) for _, x in sorted(now.items()))
+        return self._done(result)
+
+    def _done(self, result: FenceResult) -> FenceResult:
+        self.last = result
+        if self.metrics is not None:
+            self.metrics.observe(result)
+        return result
+
+    def _write(self, result: FenceResult, method: str, path: str, body: Any) -> dict[str, Any] | None:
+        result.writes += 1
+        try:
+            return self.api.request(method, path, body)
+        except ApiError as e:
+            if method == "DELETE" and e.status == 404:
+                return {}
+            result.errors.append(f"{method} {path}: {e}")
+            return None
+
+    def _create(self, version: str, d: DesiredRule, result: FenceResult) -> bool:
+        if self._write(result, "POST", self._path(version), d.body(version)) is None:
+            return False
+        self._event("DeviceFenced", d.name, d.device, d.gpu.nvml, f"{TAINT_KEY}={d.reason.value}:{d.effect.value}")
+        return True
+
+    def _update(self, version: str, r: ExistingRule, d: DesiredRule, result: FenceResult) -> bool:
+        keep_time = r.time_added if r.effect == d.effect.value else None  # an unchanged effect keeps its time
+        body = d.body(version, r.resource_version, keep_time)
+        if self._write(result, "PUT", self._path(version, d.name), body) is None:
+            return False
+        self._event("DeviceFenced", d.name, d.device, d.gpu.nvml, f"{TAINT_KEY}={d.reason.value}:{d.effect.value}")
+        return True
+
+    def _delete(self, version: str, r: ExistingRule, result: FenceResult) -> bool:
+        pre: dict[str, str] = {"resourceVersion": r.resource_version}
+        if r.uid:
+            pre["uid"] = r.uid
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": pre}
+        if self._write(result, "DELETE", self._path(version, r.name), body) is None:
+            return False
+        self._event("DeviceUnfenced", r.name, r.device, r.gpu.nvml if r.gpu else "", "")
+        return True
+
+    def _event(self, reason: str, rule: str, device: str, gpu: str, taint: str) -> None:
+        if self.on_event is None:
+            return
+        on = f" (GPU {gpu})" if gpu else ""
+        if reason == "DeviceFenced":
+            note = f"DeviceTaintRule {rule} taints {device}{on} with {taint}"
+            self.on_event(reason, note, gpu, "Warning", "Fenced")
+        else:
+            note = f"DeviceTaintRule {rule} deleted: {device}{on} is healthy again"
+            self.on_event(reason, note, gpu, "Normal", "Unfenced")
+
+
+def _fenced(x: ExistingRule | DesiredRule) -> FencedDevice:
+    if isinstance(x, DesiredRule):
+        return FencedDevice(x.name, x.device, x.gpu.nvml, x.reason.value, x.effect.value)
+    return FencedDevice(x.name, x.device, x.gpu.nvml if x.gpu else "", x.value, x.effect)
