@@ -153,9 +153,14 @@ class Counts:
     plugin_capacity: int | None = None
     plugin_allocatable: int | None = None
     plugin_physical: int | None = None
+    dra: int | None = None  # GPUs the node's DRA ResourceSlices publish (None: not a DRA node, or not read)
 
     def as_dict(self) -> dict[str, int | None]:
-        return dict(vars(self))
+        """Every count (None: the source could not count); `dra` only on a DRA node."""
+        out = dict(vars(self))
+        if out["dra"] is None:
+            del out["dra"]
+        return out
 
 
 @dataclass(slots=True)
@@ -203,7 +208,9 @@ class GpuStatus:
     pci_bus_id: str
     name: str | None
     healthy: bool | None
-    problems: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()  # "<Reason>: <text>", for people
+    reasons: tuple[Reason, ...] = ()  # the reasons of `problems`, each once, in priority order (for reporters)
+    unchecked: tuple[Check, ...] = ()  # sources that could not check this GPU this cycle
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -212,6 +219,8 @@ class GpuStatus:
             "name": self.name,
             "healthy": self.healthy,
             "problems": list(self.problems),
+            "reasons": [r.value for r in self.reasons],
+            "unchecked": [c.value for c in self.unchecked],
         }
 
 

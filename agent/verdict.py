@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from agent.model import (
     FAULT_REASONS,
@@ -74,6 +75,7 @@ def decide(
     gpus = obs.gpus
     by_reason: dict[Reason, list[str]] = {}
     problems: dict[PciAddress, list[str]] = {}
+    gpu_reasons: dict[PciAddress, set[Reason]] = {}
     unchecked: list[Finding] = []
 
     def add(reason: Reason, text: str, addr: PciAddress | None) -> None:
@@ -81,6 +83,7 @@ def decide(
         by_reason.setdefault(reason, []).append(f"{label}: {text}" if addr is not None else text)
         if addr is not None:
             problems.setdefault(addr, []).append(f"{reason.value}: {text}")
+            gpu_reasons.setdefault(addr, set()).add(reason)
 
     # Faults on the node's own GPUs first (the actionable ones; they survive message truncation), then
     # addresses that match no GPU and NVSwitch SXids; oldest first within each group.
@@ -128,12 +131,34 @@ def decide(
         n = obs.counts.nvidia_smi if obs.counts.nvidia_smi is not None else len(gpus)
         groups = [("", [f"{n} GPUs healthy"])]
 
+    # A source that could not run checked no GPU this cycle (per GPU, so a reporter can tell "clean" from
+    # "not looked at" for each of its faults: fencing keeps an NVML rule while NVML cannot run).
+    not_checked = tuple(c for c in Check if any(f.check is c for f in unchecked))
     rows = []
     for addr in sorted(set(gpus) | set(problems)):
         ident = gpus.get(addr, GpuIdentity(addr))
         probs = tuple(problems.get(addr, ()))
         healthy: bool | None = False if probs else (True if smi_ran else None)
-        rows.append(GpuStatus(ident.index, addr.nvml, ident.name, healthy, probs))
+        mine = gpu_reasons.get(addr, set())
+        rows.append(
+            GpuStatus(
+                ident.index, addr.nvml, ident.name, healthy, probs, tuple(r for r in Reason if r in mine), not_checked
+            )
+        )
     rows.sort(key=lambda r: (r.index is None, r.index if r.index is not None else 0, r.pci_bus_id))
     message = render_message(groups) if groups[0][0] else groups[0][1][0]
     return Verdict(status, reason, message, tuple(rows), reasons, obs.counts)
+
+
+def with_note(v: Verdict, note: str, limit: int = MESSAGE_LIMIT) -> Verdict:
+    """The verdict with `note` appended to its message ("<message>; <note>"), the whole kept within `limit`
+    bytes: the message is cut (with "…") so that the note, which reporters add last, always shows."""
+    if not note:
+        return v
+    note_b = note.encode()[: limit // 2].decode("utf-8", "ignore")
+    room = limit - len(("; " + note_b).encode())
+    msg = v.message
+    if len(msg.encode()) > room:
+        msg = msg.encode()[: max(0, room - len("…".encode()))].decode("utf-8", "ignore") + "…"
+    message = f"{msg}; {note_b}" if msg else note_b
+    return replace(v, message=message)

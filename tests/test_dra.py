@@ -16,9 +16,10 @@ import os
 import re
 import secrets
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from agent import config
 from agent.kube import ApiError, KubeApi
 from agent.model import (
     Check,
@@ -60,6 +62,7 @@ from agent.report.fencing import (
     FenceEffect,
     FenceMetrics,
     FenceReporter,
+    FenceWorker,
     FencingSettings,
     fence_view,
     node_label,
@@ -68,7 +71,7 @@ from agent.report.fencing import (
     rule_name,
     valid_name,
 )
-from agent.verdict import decide
+from agent.verdict import MESSAGE_LIMIT, decide, with_note
 from agent.xid import KernelLogParser
 from testkit.cluster import bound_token, ensure_namespace, now_rfc3339
 from testkit.controlplane import ControlPlane
@@ -466,6 +469,81 @@ def test_metrics_and_summary_follow_the_result():
     m.observe(FenceResult())
     assert reg.get_sample_value("gpu_ready_fenced_device", labels) is None
     assert FenceResult().summary() == ""
+
+
+def test_the_verdict_names_each_gpus_reasons_and_fencing_reads_them_not_the_text():
+    err = Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, "ERR! in power draw", GPU3, "err_field")
+    v = decide(observation(findings=[err]), [xid_fault(GPU3)])
+    row = next(g for g in v.gpus if g.pci_bus_id == GPU3.nvml)
+    assert row.reasons == (Reason.FATAL_XID, Reason.NVIDIA_SMI_ERR) and row.unchecked == ()
+    assert row.to_json()["reasons"] == ["FatalXid", "NvidiaSmiErr"]
+    assert dict(fence_view(v).faulty) == {GPU3: Reason.FATAL_XID}  # the first by priority
+    # The problem text alone fences nothing (no string parsing); the reasons alone do.
+    text_only = replace(row, reasons=())
+    assert not fence_view(Verdict(Status.FALSE, Reason.FATAL_XID, "x", (text_only,), (Reason.FATAL_XID,))).faulty
+    reason_only = replace(row, problems=("something else",), reasons=(Reason.NVML_HEALTH,))
+    assert dict(fence_view(Verdict(Status.FALSE, Reason.NVML_HEALTH, "x", (reason_only,))).faulty) == {
+        GPU3: Reason.NVML_HEALTH
+    }
+
+
+def test_an_nvml_rule_is_kept_while_nvml_cannot_check_even_when_other_faults_decide_the_node():
+    """The phase-1 gap: a GPU fenced for an NVML fault, then a cycle where NVML cannot run but nvidia-smi does and
+    another GPU's fatal Xid makes the node False (not Unknown): the NVML rule must stay (nobody looked)."""
+    inv = parse_slices([nvidia_slice("n")])
+    nvml = Finding.fault(Check.NVML, Reason.NVML_HEALTH, "retired pages pending", GPU3)
+    existing = as_existing(rules_of(decide(observation(findings=[nvml])), inv, []))
+    assert [r.value for r in existing] == ["NvmlHealth"]
+    blind = decide(observation(findings=[Finding.unchecked(Check.NVML, "NVML init failed")]), [xid_fault(ADDRS[5])])
+    assert blind.status is Status.FALSE and all(g.unchecked == (Check.NVML,) for g in blind.gpus)
+    p = rules_of(blind, inv, existing)
+    assert not p.delete and [r.name for r in p.keep] == ["gpu-ready.n.gpu-3"]
+    assert [d.device for d in p.create] == ["gpu-5"]
+    # NVML runs again and GPU 3 is clean: the rule goes.
+    assert [r.name for r in rules_of(fatal_xid_verdict(ADDRS[5]), inv, existing).delete] == ["gpu-ready.n.gpu-3"]
+
+
+def test_the_fenced_devices_fit_in_the_condition_message():
+    long = decide(observation(findings=[Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, "x" * 2000, GPU3)]))
+    note = "fenced gpu-3 (NoSchedule)"
+    v = with_note(long, note)
+    assert len(v.message.encode()) <= MESSAGE_LIMIT and v.message.endswith("; " + note) and "…" in v.message
+    assert (v.status, v.reason, v.gpus) == (long.status, long.reason, long.gpus)
+    short = with_note(healthy_verdict(), note)
+    assert short.message == "8 GPUs healthy; fenced gpu-3 (NoSchedule)"
+    assert with_note(short, "") is short
+    huge = with_note(long, "fenced " + "é" * 5000)  # a note is bounded too (half the limit), never split mid-character
+    assert len(huge.message.encode()) <= MESSAGE_LIMIT and huge.message.encode().decode() == huge.message
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--fencing-effect", "noschedule"),
+        ("--fencing-effect", "Evict"),
+        ("--fencing-max-rules", "0"),
+        ("--fencing-max-rules", "1025"),
+        ("--dra-driver", "GPU.NVIDIA.COM"),
+        ("--dra-counting", "maybe"),
+    ],
+)
+def test_bad_fencing_settings_exit_2_with_one_line(flag, value, tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "agent", "check", "--kmsg", str(tmp_path / "none"), flag, value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    name = flag.lstrip("-")
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr.count("\n") == 1 and f"invalid {name} ({flag})" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_fencing_settings_defaults():
+    cfg = config.defaults()
+    assert (cfg.dra_counting, cfg.dra_driver, cfg.fencing, cfg.fencing_effect) == (True, DRIVER, False, "None")
+    assert (cfg.fencing_max_rules, cfg.fencing_resync) == (128, 300.0)
+    assert config.defaults(fencing_effect="NoExecute", fencing_resync="60").fencing_resync == 60.0
 
 
 # -- on the real apiserver 1.37 with the real scheduler and controller-manager ----------------------------------
@@ -913,6 +991,36 @@ def test_rules_are_per_node_and_a_failed_request_is_reported_not_raised(plane):
     assert not rule_exists(plane, f"gpu-ready.{b}.gpu-3")
     reporter(agent_a, a, FenceEffect.NO_SCHEDULE).reconcile(healthy_verdict(), inventory_as_agent(agent_a, a))
     assert not rule_exists(plane, f"gpu-ready.{a}.gpu-3")
+
+
+@pytest.mark.apiserver
+def test_the_fencing_thread_reconciles_the_newest_verdict_and_reports_changes_only(plane):
+    node = gpu_node(plane)
+    agent = plane.agent("ns", node)
+    changes: list[tuple[str, ...]] = []
+    worker = FenceWorker(reporter(agent, node, FenceEffect.NO_SCHEDULE), on_change=lambda: changes.append(("c",)))
+    inv = inventory_as_agent(agent, node)
+    worker.start()
+    try:
+        worker.submit(healthy_verdict(), inv)  # replaced before the thread takes it, or reconciled: no change
+        worker.submit(fatal_xid_verdict(), inv)
+        plane.wait(lambda: worker.summary() == "fenced gpu-3 (NoSchedule)", "the thread to fence gpu-3")
+        assert rule_exists(plane, f"gpu-ready.{node}.gpu-3") and len(changes) == 1
+        n = worker.reconciles
+        worker.submit(fatal_xid_verdict(), inv)  # the same verdict again: skipped, no request, no change
+        plane.wait(lambda: worker.reconciles == n + 1, "one more reconcile")
+        assert worker.last is not None and worker.last.skipped and len(changes) == 1
+    finally:
+        worker.close(timeout=10)
+    assert worker.thread is not None and not worker.thread.is_alive()
+    # A reconcile that cannot list (no permission) keeps the last known fenced set and reports no change.
+    off = FenceWorker(FenceReporter(plane.agent("off", node), node, FencingSettings(True, FenceEffect.NO_SCHEDULE)))
+    off._fenced = worker.fenced
+    res = off.step(healthy_verdict(), inv)
+    assert res.errors and off.fenced == worker.fenced
+    # The worker's own reporter clears the rule when GPU 3 is healthy again.
+    assert worker.step(healthy_verdict(), inv).fenced == () and worker.summary() == "" and len(changes) == 2
+    assert not rule_exists(plane, f"gpu-ready.{node}.gpu-3")
 
 
 # -- the admission policy, allowed and denied, with tokens bound to a Pod on node A ------------------------------

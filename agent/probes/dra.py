@@ -140,6 +140,11 @@ def read_node_slices(api: KubeApi, node: str, driver: str = DEFAULT_DRIVER) -> S
     return SliceRead(items=obj.get("items"))
 
 
+def node_inventory(slices: SliceRead | None, driver: str = DEFAULT_DRIVER) -> DraInventory | None:
+    """The parsed slices of a read (None when DRA counting is off or the read failed)."""
+    return parse_slices(slices.items, driver) if slices is not None and slices.ok else None
+
+
 def _str(v: Any) -> str | None:
     return v if isinstance(v, str) and 0 < len(v) <= MAX_STRING else None
 
@@ -354,12 +359,14 @@ def probe_gpu_serving(
     pci: Iterable[PciAddress] | None = None,
     driver: str = DEFAULT_DRIVER,
     uuids: Mapping[str, PciAddress] | None = None,
+    inventory: DraInventory | None = None,
 ) -> ProbeResult:
-    """The device-plugin check with DRA: `slices` None = DRA counting off (the plugin check as before)."""
+    """The device-plugin check with DRA: `slices` None = DRA counting off (the plugin check as before).
+    `inventory`: `slices` already parsed (node_inventory), so a caller that keeps it parses the list once."""
     if slices is None:
         return probe_device_plugin(node, node_error, mig, strategy, replicas, grace_left_s)
     if slices.ok:
-        inventory = parse_slices(slices.items, driver)
+        inventory = inventory if inventory is not None else parse_slices(slices.items, driver)
         if inventory.slices or inventory.malformed is not None:
             result = probe_dra(inventory, pci, uuids)
             if node is not None:  # the plugin's numbers, for the record (0 is expected on a DRA node)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from urllib.parse import quote
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.kube import ApiError, KubeApi
-from agent.model import PciAddress, Reason, Status, Verdict
+from agent.model import Check, PciAddress, Reason, Status, Verdict
 from agent.probes.dra import DEFAULT_DRIVER, DraGpu, DraInventory, match_gpus
 
 TAINT_KEY = "gpu-ready.io/unhealthy"
@@ -81,39 +82,40 @@ class FenceView:
     healthy: frozenset[PciAddress] = frozenset()  # checked and clean this cycle
     hold_all: bool = False  # the verdict is Unknown: nothing is cleared
     hold_reasons: frozenset[str] = frozenset()  # rules with these taint values are kept (see fence_view)
+    unjudged: Mapping[PciAddress, frozenset[str]] = field(default_factory=dict)  # per GPU: taint values whose
+    # source could not check it this cycle (an NVML rule while NVML cannot run): those rules are kept
 
 
-def problem_reason(problem: str) -> Reason | None:
-    """The Reason of one GpuStatus problem (`"<Reason>: <text>"`, as verdict.decide writes them)."""
-    head = problem.split(":", 1)[0]
-    try:
-        return Reason(head)
-    except ValueError:
-        return None
+# The source whose check can show a fenced fault gone. A latched FatalXid goes by a clear, a new boot or the
+# recovery of the hold, not by a kernel-log read, so it has none.
+REASON_SOURCE: Mapping[Reason, Check] = {Reason.NVIDIA_SMI_ERR: Check.NVIDIA_SMI, Reason.NVML_HEALTH: Check.NVML}
 
 
 def fence_view(verdict: Verdict) -> FenceView:
-    """faulty: GPUs whose row lists a FatalXid, NvidiaSmiErr or NvmlHealth problem; healthy: rows checked clean.
+    """faulty: GPUs whose row lists a FatalXid, NvidiaSmiErr or NvmlHealth reason; healthy: rows checked clean.
     A FatalXid that the verdict holds for the node without naming a GPU (a condition kept across a restart whose
     latch file was lost) keeps existing FatalXid rules: the rule is the only record of which GPU it was."""
     faulty: dict[PciAddress, Reason] = {}
     healthy = set()
+    unjudged: dict[PciAddress, frozenset[str]] = {}
     named_fatal = False
     for row in verdict.gpus:
         addr = PciAddress.parse(row.pci_bus_id)
         if addr is None:
             continue
-        reasons = {r for r in (problem_reason(p) for p in row.problems) if r is not None}
-        named_fatal |= Reason.FATAL_XID in reasons
-        fence = [r for r in FENCE_REASONS if r in reasons]
+        named_fatal |= Reason.FATAL_XID in row.reasons
+        fence = [r for r in FENCE_REASONS if r in row.reasons]
         if fence:
             faulty[addr] = fence[0]
         elif row.healthy is not None:  # checked this cycle (nvidia-smi ran) and no GPU-attributed fault
             healthy.add(addr)
+        blind = frozenset(r.value for r, c in REASON_SOURCE.items() if c in row.unchecked)
+        if blind:
+            unjudged[addr] = blind
     hold = (
         frozenset({Reason.FATAL_XID.value}) if Reason.FATAL_XID in verdict.reasons and not named_fatal else frozenset()
     )
-    return FenceView(faulty, frozenset(healthy), verdict.status is Status.UNKNOWN, hold)
+    return FenceView(faulty, frozenset(healthy), verdict.status is Status.UNKNOWN, hold, unjudged)
 
 
 # -- pure: names and bodies ------------------------------------------------------------------------------------
@@ -318,7 +320,11 @@ def plan_fencing(
             else:
                 update.append((r, d))
             continue
-        if view.hold_all or r.value in view.hold_reasons or (r.gpu is not None and r.gpu in unknown):
+        if (
+            view.hold_all
+            or r.value in view.hold_reasons
+            or (r.gpu is not None and (r.gpu in unknown or r.value in view.unjudged.get(r.gpu, ())))
+        ):
             held = True
         elif r.gpu is not None and (r.gpu in view.faulty or r.gpu in view.healthy):
             held = False  # healthy again, or its devices changed (a new MIG layout)
@@ -372,6 +378,11 @@ class FenceResult:
             "errors": list(self.errors),
             "unsupported": self.unsupported,
             "writes": self.writes,
+            "plan": {
+                "create": [d.device for d in self.plan.create],
+                "update": [d.device for _, d in self.plan.update],
+                "delete": [r.device for r in self.plan.delete],
+            },
         }
 
 
@@ -432,7 +443,8 @@ class FenceReporter:
         view = fence_view(verdict)
         want, _, unknown = desired_rules(view, inventory, self.node, self.settings)
         rules = tuple((d.name, d.driver, d.pool, d.device, d.reason, d.effect) for d in want)
-        return (rules, view.healthy, view.hold_all, view.hold_reasons, frozenset(unknown), verdict.status)
+        unjudged = frozenset(view.unjudged.items())
+        return (rules, view.healthy, view.hold_all, view.hold_reasons, unjudged, frozenset(unknown), verdict.status)
 
     def discover(self, result: FenceResult) -> str | None:
         """The served resource.k8s.io version that has devicetaintrules (v1 preferred); cached once found."""
@@ -515,6 +527,25 @@ class FenceReporter:
         result.fenced = tuple(_fenced(x) for _, x in sorted(now.items()))
         return self._done(result)
 
+    def preview(self, verdict: Verdict, inventory: DraInventory | None) -> FenceResult:
+        """What reconcile would do, writing nothing (`gpu-ready check`): discovery and one LIST; `fenced` lists
+        the node's rules as they are, `plan` what the agent would create, update and delete."""
+        result = FenceResult()
+        try:
+            version = self.discover(result)
+            if version is None:
+                result.unsupported = self.unsupported
+                return result
+            result.reads += 1
+            existing = self.list_rules(version)
+        except ApiError as e:
+            result.errors.append(f"cannot list DeviceTaintRules: {e}")
+            return result
+        view = fence_view(verdict)
+        result.plan = plan_fencing(view, inventory, existing, self.node, self.settings, verdict.status)
+        result.fenced = tuple(_fenced(r) for r in sorted(existing, key=lambda r: r.name))
+        return result
+
     def _done(self, result: FenceResult) -> FenceResult:
         self.last = result
         if self.metrics is not None:
@@ -571,3 +602,113 @@ def _fenced(x: ExistingRule | DesiredRule) -> FencedDevice:
     if isinstance(x, DesiredRule):
         return FencedDevice(x.name, x.device, x.gpu.nvml, x.reason.value, x.effect.value)
     return FencedDevice(x.name, x.device, x.gpu.nvml if x.gpu else "", x.value, x.effect)
+
+
+class FenceWorker:
+    """Runs `FenceReporter.reconcile` on its own thread, so that fencing never delays the agent's loop (and so
+    never a condition write). The loop hands over each published verdict with `submit`; the worker reconciles
+    the newest one (one still waiting is replaced), and calls `on_change` when the set of fenced devices
+    changed, so the loop republishes the condition message that lists them. A reconcile that failed is retried
+    with the next verdict handed over (every poll). Errors are logged once per change, never raised."""
+
+    def __init__(
+        self,
+        reporter: FenceReporter,
+        on_change: Callable[[], None] | None = None,
+        log: Any = None,
+    ) -> None:
+        self.reporter = reporter
+        self.on_change = on_change
+        self.log = log
+        self.stop = threading.Event()
+        self._kick = threading.Event()
+        self._lock = threading.Lock()
+        self._pending: tuple[Verdict, DraInventory | None] | None = None
+        self._fenced: tuple[FencedDevice, ...] = ()
+        self._errors: tuple[str, ...] = ()
+        self._said_unsupported = False
+        self._notes: tuple[str, ...] = ()
+        self.last: FenceResult | None = None
+        self.reconciles = 0
+        self.thread: threading.Thread | None = None
+
+    def submit(self, verdict: Verdict, inventory: DraInventory | None) -> None:
+        with self._lock:
+            self._pending = (verdict, inventory)
+        self._kick.set()
+
+    @property
+    def fenced(self) -> tuple[FencedDevice, ...]:
+        with self._lock:
+            return self._fenced
+
+    def summary(self) -> str:
+        """`fenced gpu-3 (NoSchedule)` for the condition message; "" when nothing is fenced."""
+        return FenceResult(fenced=self.fenced).summary()
+
+    def start(self) -> FenceWorker:
+        self.thread = threading.Thread(target=self._run, name="fencing", daemon=True)
+        self.thread.start()
+        return self
+
+    def close(self, timeout: float = 0.0) -> None:
+        """Stops taking work; a request in flight finishes under its own API timeout (not waited for)."""
+        self.stop.set()
+        self._kick.set()
+        if self.thread is not None and timeout > 0:
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self._kick.wait()
+            self._kick.clear()
+            if self.stop.is_set():
+                return
+            with self._lock:
+                work, self._pending = self._pending, None
+            if work is None:
+                continue
+            try:
+                self.step(*work)
+            except Exception as e:  # a bug here must not stop fencing for good, nor the agent
+                if self.log is not None:
+                    self.log.exception("fencing error", error=str(e))
+
+    def step(self, verdict: Verdict, inventory: DraInventory | None) -> FenceResult:
+        """One reconcile (the worker thread's body; tests call it directly)."""
+        result = self.reporter.reconcile(verdict, inventory)
+        self.reconciles += 1
+        self.last = result
+        changed = False
+        with self._lock:
+            if result.fenced != self._fenced and not (result.errors and not result.plan and not result.fenced):
+                changed, self._fenced = True, result.fenced
+        self._log(result)
+        if changed and self.on_change is not None:
+            self.on_change()
+        return result
+
+    def _log(self, result: FenceResult) -> None:
+        errors = tuple(result.errors)
+        if self.log is not None:
+            if errors and errors != self._errors:
+                self.log.warning("fencing: DeviceTaintRule requests failed; retried next poll", errors=list(errors))
+            elif self._errors and not errors:
+                self.log.info("fencing: DeviceTaintRule requests succeed again")
+            if result.changed:
+                self.log.info(
+                    "fencing changed",
+                    **result.changed,
+                    fenced=[f.device for f in result.fenced],
+                    writes=result.writes,
+                    reads=result.reads,
+                )
+            if result.unsupported and not self._said_unsupported:
+                self.log.warning("fencing: " + result.unsupported)
+            notes = result.plan.notes
+            if notes and not result.skipped and notes != self._notes:
+                self.log.warning("fencing: not every faulty GPU can be fenced", notes=list(notes))
+        if not result.skipped and not errors:
+            self._notes = result.plan.notes
+        self._said_unsupported = self._said_unsupported or bool(result.unsupported)
+        self._errors = errors
