@@ -1,6 +1,8 @@
 """The kernel-log watcher: follows /dev/kmsg (select(), or inotify on a regular file), parses each
 record (xid.py), latches fatal GPU errors in the state file and wakes the loop at once, so detection
 never waits for the poll. Records are read in bounded batches, so a storm never sits in memory whole.
+Non-fatal Xids go to the Xid-rate tracker (probes/xid_rate.py) at their kernel-log time, whose findings
+the check suite adds each cycle.
 
 Path of one kernel-log line: probes/kmsg.py (record) -> xid.py (XidEvent) -> here (latched, loop
 woken) -> policy.py/verdict.py (Verdict) -> report/condition.py (the PATCH)."""
@@ -9,12 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from agent.logs import get_logger
 from agent.model import XidEvent
 from agent.probes.kmsg import KmsgRecord, KmsgSource, KmsgUnavailable
+from agent.probes.xid_rate import XidRateTracker
 from agent.report.metrics import Metrics
 from agent.state import LatchState
 from agent.xid import KernelLogParser
@@ -22,26 +25,68 @@ from agent.xid import KernelLogParser
 KMSG_BATCH = 2000  # records parsed per read: bounds memory in a storm
 
 
+def place_events(
+    events: Sequence[XidEvent],
+    *,
+    device: bool,
+    now: float,
+    kernel_now_s: float | None = None,
+    newest_usec: int | None = None,
+) -> list[tuple[XidEvent, float]]:
+    """Each event's time on the caller's clock (`now` is that clock's present), from its kernel-log stamp:
+    - the device: /dev/kmsg stamps records in microseconds of the boot-based monotonic clock, the base of
+      CLOCK_MONOTONIC (checked on a real kernel: a record written and read back carries time.monotonic()
+      to the millisecond), so an event's age is `kernel_now_s` (default: time.monotonic()) minus its stamp;
+    - a regular file (a saved log, the simulated host): its stamps have no known base, so ages are taken
+      relative to the newest stamp read (`newest_usec`, default: the newest among `events`).
+    An event without a stamp (a plain-text line) is placed at `now`; an age below 0 is 0."""
+    stamps = [ev.usec for ev in events if ev.usec is not None]
+    if not stamps:
+        return [(ev, now) for ev in events]
+    if device:
+        ref = (time.monotonic() if kernel_now_s is None else kernel_now_s) * 1e6
+    else:
+        ref = max(stamps) if newest_usec is None else max(newest_usec, *stamps)
+    return [(ev, now if ev.usec is None else now - max(0.0, (ref - ev.usec) / 1e6)) for ev in events]
+
+
 class KernelLogIngest:
     """The kernel-log hot path: parse records, count GPU errors (one metric update per key and batch),
-    latch fatal ones. Returns the newly latched events."""
+    latch fatal ones, hand non-fatal ones to the Xid-rate tracker. Returns the newly latched events."""
 
-    def __init__(self, parser: KernelLogParser, state: LatchState, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        parser: KernelLogParser,
+        state: LatchState,
+        metrics: Metrics,
+        rate: XidRateTracker | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.parser, self.state, self.metrics = parser, state, metrics
+        self.rate, self.clock = rate, clock
 
-    def process(self, records: list[KmsgRecord], now: float | None = None) -> list[XidEvent]:
+    def process(self, records: list[KmsgRecord], now: float | None = None, device: bool = False) -> list[XidEvent]:
+        """device: the records come from /dev/kmsg (their stamps share the monotonic clock's base)."""
         fresh: list[XidEvent] = []
+        rated: list[XidEvent] = []
         now = time.time() if now is None else now
         counts: dict[tuple[int, str, bool], int] = {}
         feed, latch = self.parser.feed, self.state.latch
+        rate_on = self.rate is not None and self.rate.t.enabled
         for r in records:
             for ev in feed(r.text, r.seq, r.usec):
                 key = (ev.xid, ev.raw_address, ev.fatal)
                 counts[key] = counts.get(key, 0) + 1
-                if ev.fatal and latch(ev, now) is not None:
-                    fresh.append(ev)
+                if ev.fatal:
+                    if latch(ev, now) is not None:
+                        fresh.append(ev)
+                elif rate_on:
+                    rated.append(ev)  # the tracker keeps the ones it counts
         for key, n in counts.items():
             self.metrics.observe_xid_key(key, n)
+        if rated and self.rate is not None:
+            newest = None if device else max((r.usec for r in records if r.usec is not None), default=None)
+            self.rate.observe_at(place_events(rated, device=device, now=self.clock(), newest_usec=newest))
         return fresh
 
 
@@ -123,7 +168,7 @@ class KmsgWatcher:
             with self._lock:
                 self._rerun = True
             self.wake()
-        fresh = self.ingest.process(records)
+        fresh = self.ingest.process(records, device=src.is_device)
         for ev in fresh:
             self.log.warning(
                 "fatal GPU error latched", xid=ev.xid, gpu=ev.raw_address, source=ev.source, text=ev.text[:200]

@@ -71,7 +71,13 @@ def test_schema_types_and_bounds_match_the_converter(key):
     if "integer" in types:
         assert s.conv(3) == 3 and not _accepts(s, 3.5)
     if "number" in types:
-        assert s.conv(2.5) == 2.5
+        x = 0.5 if prop.get("exclusiveMaximum", prop.get("maximum", 3)) <= 2.5 else 2.5
+        assert s.conv(x) == x
+    if "exclusiveMaximum" in prop:
+        high = prop["exclusiveMaximum"]
+        assert not _accepts(s, high) and _accepts(s, high - (0.5 if "number" in types else 1))
+    if "maximum" in prop and "array" not in types:
+        assert _accepts(s, prop["maximum"]) and not _accepts(s, prop["maximum"] + 1)
     if "null" in types:
         assert s.conv(None) is None
     if "array" in types:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from agent.model import Check, Finding, GpuIdentity, Observation, PciAddress, Reason, Severity, Status
-from agent.probes.clocks import ClockEventTracker, ClockThresholds, nvml_clock_sample
+from agent.probes.clocks import ClockEventTracker, ClockSample, ClockThresholds, nvml_clock_sample
 from agent.probes.dcgm import (
     DcgmThresholds,
     findings_from_metrics,
@@ -515,3 +515,338 @@ def test_gpu_smoke_make_target_exists():
     mk = (ROOT / "Makefile").read_text()
     assert re.search(r"^gpu-smoke:.*$", mk, flags=re.MULTILINE) and "tools/gpu-smoke.sh" in mk
     assert sys.executable  # the script runs gpu-ready through the venv's python when present
+
+
+# -- wiring: settings, the check suite, the kernel-log ingest, `gpu-ready check` -------------------------
+
+
+def _suite_cfg(host: SimHost, **over: object):
+    from agent import config
+
+    base = {
+        "nvidia_smi": str(host.nvidia_smi),
+        "sysfs_root": str(host.sysfs),
+        "kmsg": str(host.kmsg),
+        "nvml": "on",
+        "dev_root": str(host.make_dev_nodes()),
+        "proc_root": str(host.proc),
+    }
+    return config.defaults(**{**base, **over})
+
+
+def _nv_states(host: SimHost, **extra: object) -> list[dict]:
+    return [{"busId": g.address.nvml, **extra} for g in host.gpus]
+
+
+def _run(suite, node=None):
+    obs, stats = suite.run(node)
+    return obs, stats, decide(obs)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--pcie-busy-utilization", "101"),
+        ("--clock-max-slowed-share", "1"),
+        ("--clock-window", "nan"),
+        ("--clock-min-samples", "0"),
+        ("--thermal-margin-min", "hot"),
+        ("--xid-rate-count", "0"),
+        ("--xid-rate-window", "-5"),
+        ("--xid-rate-ignore", "13,-1"),
+        ("--dcgm-exporter", "ftp://x:9400"),
+        ("--dcgm-exporter", ":9400"),
+        ("--dcgm-timeout", "0"),
+        ("--pcie", "maybe"),
+    ],
+)
+def test_bad_degradation_setting_is_one_line_and_exit_2(flag: str, value: str, simhost: SimHost, capsys):
+    from agent.cli import main as cli_main
+
+    assert cli_main(["check", *simhost.check_args(), flag, value]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and f"invalid {flag[2:]} ({flag})" in err, err
+
+
+def test_degradation_settings_from_a_file_and_their_defaults(tmp_path: Path):
+    from agent import config
+
+    d = config.defaults()
+    assert (d.pcie, d.pcie_bridges, d.pcie_speed, d.pcie_busy_utilization) == (True, True, True, 50)
+    assert (d.device_nodes, d.dev_root, d.require_uvm, d.proc_root) == (True, "/dev", True, "/proc")
+    assert (d.clock_events, d.clock_window, d.clock_max_slowed_share, d.clock_min_samples) == (True, 600, 0.3, 5)
+    assert d.thermal_margin_min is None and (d.xid_rate, d.xid_rate_count, d.xid_rate_window) == (True, 3, 600)
+    assert d.xid_rate_ignore == (45,) and (d.dcgm_exporter, d.dcgm_required, d.dcgm_timeout) == (None, False, 5)
+    f = tmp_path / "c.yaml"
+    f.write_text("xidRateCount: 5\nxidRateIgnore: [45, 13]\ndcgmExporter: 10.0.0.5:9400\nthermalMarginMin: 3\n")
+    c = config.load(None, environ={"GPU_READY_CONFIG": str(f), "GPU_READY_PCIE_SPEED": "false"})
+    assert (c.xid_rate_count, c.xid_rate_ignore, c.thermal_margin_min, c.pcie_speed) == (5, (45, 13), 3.0, False)
+    assert c.dcgm_exporter == "http://10.0.0.5:9400/metrics"
+    f.write_text("clockMaxSlowedShare: 1.0\n")
+    with pytest.raises(config.ConfigError, match=r"clock-max-slowed-share \(clockMaxSlowedShare in .*c.yaml\)"):
+        config.load(None, environ={"GPU_READY_CONFIG": str(f)})
+
+
+def test_suite_healthy_host_runs_every_signal_and_reports_true(simhost: SimHost):
+    from agent.checks import CheckSuite
+    from agent.probes.nvml import NvmlProbe
+
+    nv = fake_nvml(_nv_states(simhost, util=90, throttle=0x1, margin=30.0))
+    suite = CheckSuite(_suite_cfg(simhost, thermal_margin_min=5.0), NvmlProbe("on", nvml=nv))
+    _obs, stats, v = _run(suite)
+    assert (v.status, v.reason) == (Status.TRUE, Reason.GPUS_HEALTHY), v.message
+    assert {"pcie", "device_nodes", "clocks", "xid_rate"} <= {str(c) for c in stats.durations} and not stats.failed
+    assert "dcgm" not in {str(c) for c in stats.durations}  # opt-in: off without an address
+
+
+def test_suite_pcie_speed_only_under_load_and_width_always(bridged: SimHost):
+    from agent.checks import CheckSuite
+    from agent.probes.nvml import NvmlProbe
+
+    bridged.set_link(bridged.gpus[1].address, current_gts=8.0)  # Gen3 on a Gen5 link: normal at idle
+    states = _nv_states(bridged, util=0)
+    suite = CheckSuite(_suite_cfg(bridged), NvmlProbe("on", nvml=fake_nvml(states)))
+    assert _run(suite)[2].status is Status.TRUE
+    states[1]["util"] = 95  # busy: the same link speed is now a degradation
+    v = _run(suite)[2]
+    assert (v.status, v.reason) == (Status.FALSE, Reason.GPU_DEGRADED)
+    assert v.gpus[1].problems == (
+        "GPUDegraded: PCIe GPU link at Gen3 (8 GT/s) under load (95% busy), capable of Gen5 (32 GT/s)",
+    )
+    off = CheckSuite(_suite_cfg(bridged, pcie_speed=False), NvmlProbe("on", nvml=fake_nvml(states)))
+    assert _run(off)[2].status is Status.TRUE
+    assert off.nvml.read_load is False  # nothing read that nothing judges
+    bridged.set_link(bridged.upstream_bridge(2), current_width=4)  # width: at any load, naming the bridge
+    v = _run(off)[2]
+    assert v.reason is Reason.GPU_DEGRADED and "upstream bridge 0000:00:03.0 trained to x4" in v.gpus[2].problems[0]
+    assert _run(CheckSuite(_suite_cfg(bridged, pcie=False), NvmlProbe("on", nvml=fake_nvml(states))))[2].status is (
+        Status.TRUE
+    )
+
+
+def test_suite_clock_tracker_is_kept_across_cycles_and_clears(simhost: SimHost):
+    from agent.checks import CheckSuite
+    from agent.probes.nvml import NvmlProbe
+
+    now = [0.0]
+    states = _nv_states(simhost, throttle=0)
+    suite = CheckSuite(
+        _suite_cfg(simhost, clock_window=100.0), NvmlProbe("on", nvml=fake_nvml(states)), clock=lambda: now[0]
+    )
+    states[3]["throttle"] = 0x40  # HW thermal slowdown on GPU 3, every sample
+    seen = []
+    for i in range(6):
+        now[0] = 10.0 * i
+        seen.append(_run(suite)[2].reason)
+    assert seen[:4] == [Reason.GPUS_HEALTHY] * 4  # fewer than clockMinSamples samples: not judged
+    assert seen[4:] == [Reason.GPU_DEGRADED] * 2
+    v = _run(suite)[2]
+    assert v.gpus[3].problems[0].startswith("GPUDegraded: clocks slowed by HW thermal slowdown in 7 of 7 samples")
+    states[3]["throttle"] = 0
+    for i in range(7, 20):  # the slowed samples leave the 100 s window
+        now[0] = 10.0 * i
+        v = _run(suite)[2]
+    assert v.status is Status.TRUE
+    states[3]["throttle_error"] = 999  # reasons unreadable: could not check, never True
+    _obs, stats, v = _run(suite)
+    assert v.status is Status.UNKNOWN and Check.CLOCKS in stats.failed
+    assert "clocks: clock event reasons: NVML error 999" in v.message
+
+
+def test_suite_thermal_margin_and_nvml_off(simhost: SimHost):
+    from agent.checks import CheckSuite
+    from agent.probes.nvml import NvmlProbe
+
+    states = _nv_states(simhost, margin=20.0)
+    states[6]["margin"] = 2.0
+    v = _run(CheckSuite(_suite_cfg(simhost, thermal_margin_min=3.0), NvmlProbe("on", nvml=fake_nvml(states))))[2]
+    assert v.reason is Reason.GPU_DEGRADED and v.gpus[6].problems == (
+        "GPUDegraded: thermal margin 2 C, at or below 3 C",
+    )
+    # NVML off: the NVML-based signals have nothing to judge; not a failure, not a fault.
+    _obs, stats, v = _run(CheckSuite(_suite_cfg(simhost, nvml="off", thermal_margin_min=3.0)))
+    assert v.status is Status.TRUE and not stats.failed
+
+
+def test_suite_device_nodes_missing_unreadable_and_minors(simhost: SimHost, tmp_path: Path):
+    from agent.checks import CheckSuite
+
+    cfg = _suite_cfg(simhost, nvml="off")
+    simhost.remove_dev_node("nvidia5")
+    v = _run(CheckSuite(cfg))[2]
+    assert v.reason is Reason.GPU_DEGRADED and v.gpus[5].problems == (
+        f"GPUDegraded: device node {simhost.dev}/nvidia5 is missing",
+    )
+    simhost.make_dev_nodes()
+    simhost.remove_dev_node("nvidia-uvm")
+    v = _run(CheckSuite(cfg))[2]
+    assert v.reason is Reason.GPU_DEGRADED and f"{simhost.dev}/nvidia-uvm is missing" in v.message
+    assert all(g.healthy for g in v.gpus)  # a node-level degradation names no GPU
+    assert _run(CheckSuite(_suite_cfg(simhost, nvml="off", require_uvm=False)))[2].status is Status.TRUE
+    _obs, stats, v = _run(CheckSuite(_suite_cfg(simhost, nvml="off", dev_root=str(tmp_path / "absent"))))
+    assert v.status is Status.UNKNOWN and Check.DEVICE_NODES in stats.failed
+    # Minor numbers not known (no driver procfs): as many /dev/nvidia<N> as GPUs are required instead.
+    simhost.make_dev_nodes()
+    nominor = CheckSuite(_suite_cfg(simhost, nvml="off", proc_root=str(tmp_path / "noproc")))
+    assert _run(nominor)[2].status is Status.TRUE
+    simhost.remove_dev_node("nvidia7")
+    v = _run(nominor)[2]
+    assert v.reason is Reason.GPU_DEGRADED and "7 GPU device nodes" in v.message and "for 8 GPUs" in v.message
+
+
+def test_device_nodes_partial_minors_counts_only_the_rest(simhost: SimHost):
+    simhost.make_dev_nodes(skip=("nvidia6",))
+    minors = {g.address: g.minor for g in simhost.gpus[:4]}  # only GPUs 0-3 have a known minor
+    t = DeviceNodeThresholds(dev_root=str(simhost.dev))
+    f = probe_device_nodes(t, minors=minors, gpu_count=8)
+    assert [x.message for x in f] == [
+        f"3 GPU device nodes {simhost.dev}/nvidia<N> for 4 GPUs more (minor numbers known for 4) (present: 4, 5, 7)"
+    ]
+    simhost.make_dev_nodes()
+    assert probe_device_nodes(t, minors=minors, gpu_count=8) == []
+
+
+def test_suite_dcgm_maps_by_nvml_uuid_and_required_unreachable(simhost: SimHost):
+    from agent.checks import CheckSuite
+    from agent.probes.nvml import NvmlProbe
+
+    states = _nv_states(simhost)
+    nv = fake_nvml(states)
+    nv.nvmlDeviceGetUUID = lambda h: f"GPU-{h:08d}-0000-0000-0000-000000000000".encode()
+    text = (
+        'DCGM_FI_DEV_ROW_REMAP_FAILURE{gpu="2",UUID="GPU-00000002-0000-0000-0000-000000000000",'
+        'pci_bus_id="",Hostname="n1"} 1\n'
+        'DCGM_FI_DEV_ROW_REMAP_FAILURE{gpu="3",UUID="GPU-00000003-0000-0000-0000-000000000000",'
+        'pci_bus_id="",Hostname="other-node"} 1\n'
+    )
+    with DcgmExporterStandIn(text) as ex:
+        suite = CheckSuite(_suite_cfg(simhost, dcgm_exporter=ex.address, node_name="n1"), NvmlProbe("on", nvml=nv))
+        v = _run(suite)[2]
+        assert ex.requests == 1
+    assert v.reason is Reason.GPU_DEGRADED and v.gpus[2].problems == ("GPUDegraded: DCGM: row remapping failed",)
+    assert v.gpus[3].problems == ()  # another host's series
+    gone = ex.address  # closed: unreachable
+    v = _run(CheckSuite(_suite_cfg(simhost, nvml="off", dcgm_exporter=gone)))[2]
+    assert v.status is Status.TRUE  # not required: informational
+    _obs, stats, v = _run(CheckSuite(_suite_cfg(simhost, nvml="off", dcgm_exporter=gone, dcgm_required=True)))
+    assert v.status is Status.UNKNOWN and Check.DCGM in stats.failed and "dcgm-exporter" in v.message
+
+
+def test_every_signal_can_be_switched_off(bridged: SimHost, tmp_path: Path):
+    from agent.checks import CheckSuite
+    from agent.probes.nvml import NvmlProbe
+
+    bridged.set_link(bridged.gpus[0].address, current_width=8)
+    states = _nv_states(bridged, throttle=0x8, margin=0.0)
+    off = _suite_cfg(
+        bridged,
+        pcie=False,
+        device_nodes=False,
+        dev_root=str(tmp_path / "absent"),
+        clock_events=False,
+        xid_rate=False,
+        thermal_margin_min=5.0,
+    )
+    suite = CheckSuite(off, NvmlProbe("on", nvml=fake_nvml(states)))
+    suite.xid_rate.observe(_xids(bridged, 13, n=5), 0.0)
+    for _ in range(6):
+        _obs, stats, v = _run(suite)
+    assert v.status is Status.TRUE, v.message
+    assert not {"pcie", "device_nodes", "clocks", "xid_rate", "dcgm"} & {str(c) for c in stats.durations}
+    assert (suite.nvml.read_load, suite.nvml.read_clocks, suite.nvml.read_uuids) == (False, False, False)
+
+
+def test_place_events_device_and_file_stamps():
+    from agent.kmsg_watch import place_events
+    from agent.model import XidEvent
+
+    def ev(usec):
+        return XidEvent(13, PciAddress(0, 0x3B, 0), "0000:3b:00", False, "", usec=usec)
+
+    evs = [ev(1_000_000_000), ev(1_590_000_000), ev(None)]
+    # /dev/kmsg: ages from the monotonic clock's present (here 1600 s after boot), on the caller's clock.
+    placed = place_events(evs, device=True, now=50.0, kernel_now_s=1600.0)
+    assert [round(t, 3) for _, t in placed] == [50.0 - 600.0, 50.0 - 10.0, 50.0]
+    # A file: ages relative to the newest record read; a stamp after the present is 0 s old.
+    placed = place_events(evs, device=False, now=50.0, newest_usec=1_600_000_000)
+    assert [round(t, 3) for _, t in placed] == [-550.0, 40.0, 50.0]
+    assert [t for _, t in place_events(evs, device=True, now=5.0, kernel_now_s=1.0)] == [5.0, 5.0, 5.0]
+
+
+def test_ingest_feeds_the_rate_at_kernel_log_time_and_history_is_not_new(tmp_path: Path):
+    from agent.kmsg_watch import KernelLogIngest
+    from agent.probes.kmsg import KmsgSource, format_record
+    from agent.report.metrics import Metrics
+    from agent.state import LatchState
+
+    host = SimHost(tmp_path / "h", gpus=2)
+    line13, line79 = host.xid_line(13, 1), host.xid_line(79, 0)
+    log = tmp_path / "kmsg"
+    # Three Xid 13 an hour before the newest record (history), a fatal Xid 79, then the present.
+    log.write_text(
+        "".join(format_record(line13, i, 1_000_000 + i) for i in range(3))
+        + format_record(line79, 3, 3_601_000_000)
+        + format_record("usb 1-1: new device", 4, 3_602_000_000)
+    )
+    tracker = XidRateTracker()
+    state = LatchState(str(tmp_path / "state"), "boot")
+    ingest = KernelLogIngest(KernelLogParser(), state, Metrics(), rate=tracker, clock=lambda: 10_000.0)
+    src = KmsgSource(str(log))
+    fresh = [e for recs in src.drain() for e in ingest.process(recs, device=src.is_device)]
+    assert [e.xid for e in fresh] == [79]  # fatal: latched, not counted by the rate
+    assert tracker.findings(10_000.0) == []  # an hour old: outside the 10 minute window
+    with open(log, "a") as fh:  # the same Xid three times now: degraded
+        fh.write("".join(format_record(line13, 5 + i, 3_603_000_000 + i) for i in range(3)))
+    for recs in src.drain():
+        ingest.process(recs, device=src.is_device)
+    f = tracker.findings(10_000.0)
+    assert [(x.gpu, x.kind) for x in f] == [(host.gpus[1].address, "xid_rate")]
+    assert tracker.findings(10_000.0 + 601) == []  # a clean window: cleared, never latched
+
+
+def test_check_reads_the_xid_rate_and_shows_degradations_per_gpu(bridged: SimHost):
+    bridged.set_link(bridged.upstream_bridge(3), current_width=8)
+    bridged.make_dev_nodes()
+    for _ in range(3):
+        bridged.append_xid(31, 1, "MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f_12340000")
+    r = subprocess.run(
+        [sys.executable, "-m", "agent", "check", *bridged.check_args()], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 1, r.stderr
+    rows = {line.split()[0]: line for line in r.stdout.splitlines() if line[:1].isdigit()}
+    assert "UNHEALTHY GPUDegraded: Xid 31 repeated: 3 or more within 10 min" in rows["1"]
+    assert "UNHEALTHY GPUDegraded: PCIe upstream bridge 0000:00:04.0 trained to x8, capable of x16" in rows["3"]
+    assert "GPUReady=False  reason=GPUDegraded" in r.stdout
+    r = subprocess.run(
+        [sys.executable, "-m", "agent", "check", *bridged.check_args(), "--xid-rate-count", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "Xid 31 repeated" not in r.stdout and "trained to x8" in r.stdout
+
+
+def test_nvml_reads_degradation_inputs_only_when_asked_and_under_its_deadline(simhost: SimHost):
+    from agent.checks import CheckSuite
+    from agent.probes.nvml import NvmlProbe
+
+    states = _nv_states(simhost, util=77, throttle=0x80, margin=12.0)
+    nv = fake_nvml(states)
+    nv.nvmlDeviceGetUUID = lambda h: f"GPU-{h}".encode()
+    _f, snap = NvmlProbe("on", nvml=nv).probe()
+    assert snap is not None and all(g.load is None and g.clock is None and g.uuid is None for g in snap.gpus)
+    _f, snap = NvmlProbe("on", nvml=nv, pcie_load=True, clock_events=True, uuids=True).probe()
+    g = snap.gpus[2]
+    assert (g.load.utilization_pct, g.load.current_gen, g.load.max_gen) == (77, 5, 5)
+    assert (g.clock.mask, g.clock.margin_c, g.uuid) == (0x80, 12.0, "GPU-2")
+    # A clock read that never returns: NVML is reported hung (a hard fault), the tracker keeps its history.
+    now = [0.0]
+    suite = CheckSuite(
+        _suite_cfg(simhost, nvml_timeout=0.3),
+        NvmlProbe("on", 0.3, nvml=fake_nvml(states, hang="nvmlDeviceGetCurrentClocksEventReasons")),
+        clock=lambda: now[0],
+    )
+    suite.clocks.observe(simhost.gpus[0].address, ClockSample(0x8), -1.0)
+    _obs, _stats, v = _run(suite)
+    assert v.reason is Reason.NVML_HEALTH and "NVML hung" in v.message
+    assert len(suite.clocks._gpus[simhost.gpus[0].address].samples) == 1

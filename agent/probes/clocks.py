@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.model import Check, Finding, PciAddress, Reason, Severity
+from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, Severity
 
 HW_SLOWDOWN = 0x8
 HW_THERMAL_SLOWDOWN = 0x40
@@ -128,6 +128,11 @@ class ClockEventTracker:
                     )
                 )
         return out
+
+    def result(self, now: float) -> ProbeResult:
+        """findings(now) as a ProbeResult: `ran` is False when a GPU's reasons could not be read."""
+        findings = tuple(self.findings(now))
+        return ProbeResult(Check.CLOCKS, findings, ran=not any(f.severity is Severity.UNCHECKED for f in findings))
 
 
 def nvml_clock_sample(nv: Any, handle: Any) -> ClockSample:

@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from agent.model import Check, Finding, PciAddress, Reason, Severity
+from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, Severity
 
 HEALTH = "DCGM_EXP_GPU_HEALTH_STATUS"
 XID = "DCGM_FI_DEV_XID_ERRORS"
@@ -235,3 +235,9 @@ def probe_dcgm(thresholds: DcgmThresholds, uuid_to_address: Mapping[str, PciAddr
     except ExporterUnavailable as e:
         return [_unreachable(thresholds, str(e))]
     return findings_from_metrics(text, thresholds, uuid_to_address)
+
+
+def dcgm_result(thresholds: DcgmThresholds, uuid_to_address: Mapping[str, PciAddress] | None = None) -> ProbeResult:
+    """probe_dcgm as a ProbeResult: `ran` is False only when a required exporter could not be read."""
+    findings = tuple(probe_dcgm(thresholds, uuid_to_address))
+    return ProbeResult(Check.DCGM, findings, ran=not any(f.severity is Severity.UNCHECKED for f in findings))

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.model import Check, Finding, PciAddress, Reason
+from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, Severity
 
 _GPU_NODE = re.compile(r"^nvidia(\d{1,3})$")
 _MINOR = re.compile(r"^Device Minor:\s*(\d{1,3})\s*$", re.MULTILINE)
@@ -64,8 +64,9 @@ def probe_device_nodes(
     gpu_count: int | None = None,
     mig_enabled: bool = False,
 ) -> list[Finding]:
-    """minors: the minor number of each GPU (read_minor_numbers or NVML nvmlDeviceGetMinorNumber); when
-    they are not known, gpu_count nodes /dev/nvidia<N> must exist. mig_enabled: some GPU has MIG on."""
+    """minors: the minor number of each GPU (read_minor_numbers or NVML nvmlDeviceGetMinorNumber): its
+    /dev/nvidia<minor> must exist. gpu_count: GPUs on the node; for those whose minor is not known, as many
+    other /dev/nvidia<N> nodes must exist. mig_enabled: some GPU has MIG on."""
     t = thresholds
     if not t.enabled:
         return []
@@ -97,17 +98,24 @@ def probe_device_nodes(
     need("nvidiactl")
     if t.require_uvm:
         need("nvidia-uvm", what=" (CUDA programs fail without it)")
-    if minors:
-        for gpu, minor in sorted(minors.items()):
-            need(f"nvidia{minor}", gpu)
-    elif gpu_count:
-        present = sorted(int(m.group(1)) for n in names if (m := _GPU_NODE.match(n)) and _char_device(root / n))
-        if len(present) < gpu_count:
+    for gpu, minor in sorted((minors or {}).items()):
+        need(f"nvidia{minor}", gpu)
+    known = set((minors or {}).values())
+    unplaced = (gpu_count or 0) - len(minors or {})  # GPUs whose minor number is not known: count their nodes
+    if unplaced > 0:
+        present = sorted(
+            n
+            for name in names
+            if (m := _GPU_NODE.match(name)) and (n := int(m.group(1))) not in known
+            if _char_device(root / name)
+        )
+        if len(present) < unplaced:
+            more = f" more (minor numbers known for {len(known)})" if known else ""
             out.append(
                 Finding.fault(
                     Check.DEVICE_NODES,
                     Reason.GPU_DEGRADED,
-                    f"{len(present)} GPU device nodes {root}/nvidia<N> for {gpu_count} GPUs "
+                    f"{len(present)} GPU device nodes {root}/nvidia<N> for {unplaced} GPUs{more} "
                     f"(present: {', '.join(map(str, present)) or 'none'})",
                     kind="missing",
                 )
@@ -132,3 +140,15 @@ def probe_device_nodes(
                 )
             )
     return out
+
+
+def device_nodes_result(
+    thresholds: DeviceNodeThresholds = DeviceNodeThresholds(),
+    *,
+    minors: dict[PciAddress, int] | None = None,
+    gpu_count: int | None = None,
+    mig_enabled: bool = False,
+) -> ProbeResult:
+    """probe_device_nodes as a ProbeResult: `ran` is False when the dev root cannot be listed."""
+    findings = tuple(probe_device_nodes(thresholds, minors=minors, gpu_count=gpu_count, mig_enabled=mig_enabled))
+    return ProbeResult(Check.DEVICE_NODES, findings, ran=not any(f.severity is Severity.UNCHECKED for f in findings))

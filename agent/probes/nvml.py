@@ -3,7 +3,11 @@
 Per GPU: a handle error (GPU lost, reset required, unknown), a GPU recovery action other than none,
 a row-remap failure (pending remaps are reported, not a fault), NVLink links down where the GPU has
 NVLink. Every call runs in a worker thread under a deadline; a call that never returns is abandoned
-and no further NVML call starts while it is stuck."""
+and no further NVML call starts while it is stuck.
+
+For the degradation probes (issue 18) it also reads, when asked, each GPU's PCIe load (utilisation and
+link generation, probes/pcie.py), one clock-event sample (probes/clocks.py) and its UUID (to map
+dcgm-exporter series): the readings ride on the snapshot, the judging is done by those probes."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult, Reason, Severity
+from agent.probes.clocks import ClockSample, nvml_clock_sample
+from agent.probes.pcie import GpuLoad, nvml_pcie_load
 
 FI_DEV_GET_GPU_RECOVERY_ACTION = 230
 RECOVERY_ACTIONS = {
@@ -41,6 +47,9 @@ class NvmlGpu:
     mig_devices: int = 0
     nvlink_links: int = 0
     nvlink_down: list[int] = field(default_factory=list)
+    load: GpuLoad | None = None  # read when the probe was asked for PCIe load
+    clock: ClockSample | None = None  # read when the probe was asked for clock events
+    uuid: str | None = None  # read when the probe was asked for UUIDs
 
 
 @dataclass
@@ -53,11 +62,21 @@ class NvmlProbe:
     """mode: "auto" (use when the library loads, skip otherwise), "on" (required), "off"."""
 
     def __init__(
-        self, mode: str = "auto", deadline_s: float = 10.0, check_nvlink: bool = True, nvml: Any = None
+        self,
+        mode: str = "auto",
+        deadline_s: float = 10.0,
+        check_nvlink: bool = True,
+        nvml: Any = None,
+        *,
+        pcie_load: bool = False,
+        clock_events: bool = False,
+        uuids: bool = False,
     ) -> None:
         self.mode = mode
         self.deadline_s = deadline_s
         self.check_nvlink = check_nvlink
+        self.read_load, self.read_clocks, self.read_uuids = pcie_load, clock_events, uuids
+        self.snapshot: NvmlSnapshot | None = None  # the last probe()'s readings
         self._nvml = nvml
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
         self._stuck: concurrent.futures.Future[Any] | None = None
@@ -90,9 +109,11 @@ class NvmlProbe:
             return [], None
         with self._lock:
             try:
-                return self._probe()
+                findings, self.snapshot = self._probe()
             except NvmlTimeout as e:
+                self.snapshot = None
                 return [Finding.fault(Check.NVML, Reason.NVML_HEALTH, f"NVML hung: {e}", kind="timeout")], None
+            return findings, self.snapshot
 
     def _probe(self) -> tuple[list[Finding], NvmlSnapshot | None]:
         nv = self._lib()
@@ -203,7 +224,21 @@ class NvmlProbe:
             pass
         if self.check_nvlink:
             out += self._nvlink(nv, h, gpu, addr)
+        self._degradation_readings(nv, h, gpu)
         return out
+
+    def _degradation_readings(self, nv: Any, h: Any, gpu: NvmlGpu) -> None:
+        """Readings the degradation probes judge; each helper turns NVML errors into missing values."""
+        if self.read_load:
+            gpu.load = self._call(nvml_pcie_load, nv, h)
+        if self.read_clocks:
+            gpu.clock = self._call(nvml_clock_sample, nv, h)
+        get_uuid = getattr(nv, "nvmlDeviceGetUUID", None)
+        if self.read_uuids and get_uuid is not None:
+            try:
+                gpu.uuid = _text(self._call(get_uuid, h))
+            except nv.NVMLError:
+                gpu.uuid = None
 
     def _nvlink(self, nv: Any, h: Any, gpu: NvmlGpu, addr: PciAddress | None) -> list[Finding]:
         for link in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)):
@@ -244,6 +279,12 @@ def _text(v: Any) -> str:
 def probe_nvml(nvml: NvmlProbe) -> ProbeResult:
     """The NVML checks as a ProbeResult. NVML off or absent (mode auto) is not a failure: `ran` stays True
     with no GPUs and no count."""
+    return read_nvml(nvml)[0]
+
+
+def read_nvml(nvml: NvmlProbe) -> tuple[ProbeResult, NvmlSnapshot | None]:
+    """probe_nvml plus the snapshot (per-GPU readings for the degradation probes); None when NVML was not
+    read (off, absent, failed or hung)."""
     findings, snap = nvml.probe()
     ran = not any(f.severity is Severity.UNCHECKED for f in findings)
     gpus = tuple(
@@ -251,4 +292,4 @@ def probe_nvml(nvml: NvmlProbe) -> ProbeResult:
         for g in (snap.gpus if snap is not None else ())
         if g.address is not None
     )
-    return ProbeResult(Check.NVML, tuple(findings), gpus, len(snap.gpus) if snap else None, ran)
+    return ProbeResult(Check.NVML, tuple(findings), gpus, len(snap.gpus) if snap else None, ran), snap

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.model import Check, Finding, PciAddress, Reason, Severity
+from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, Severity
 
 _BDF = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 _SPEED = re.compile(r"^\s*(\d{1,3}(?:\.\d{1,3})?)\s*GT/s")
@@ -149,6 +149,17 @@ def probe_pcie(
     for gpu in gpus:
         findings += _probe_gpu(sysfs_root, gpu, thresholds, (load or {}).get(gpu))
     return findings
+
+
+def pcie_result(
+    sysfs_root: str,
+    gpus: Sequence[PciAddress],
+    thresholds: PcieThresholds = PcieThresholds(),
+    load: Mapping[PciAddress, GpuLoad] | None = None,
+) -> ProbeResult:
+    """probe_pcie as a ProbeResult: `ran` is False when a link could not be read."""
+    findings = tuple(probe_pcie(sysfs_root, gpus, thresholds, load))
+    return ProbeResult(Check.PCIE, findings, ran=not any(f.severity is Severity.UNCHECKED for f in findings))
 
 
 def _probe_gpu(sysfs_root: str, gpu: PciAddress, t: PcieThresholds, load: GpuLoad | None) -> list[Finding]:

@@ -5,15 +5,20 @@ Application Xids (13, 31, 43, ...) are not fatal one by one, but the same Xid on
 times in a short window points at the GPU (EKS node monitoring agent #272: count/window threshold).
 A GPU with at least `count` of the same Xid within `window_s` seconds is degraded, and stays degraded
 until a full window passes with no such Xid on it (the window is clean). It never latches: no state
-survives the window. Fatal Xids are the latch's business (state.py) and are not counted here."""
+survives the window. Fatal Xids are the latch's business (state.py) and are not counted here.
+
+The kernel-log watcher observes on its own thread while the loop reads findings: one lock guards the
+tracker. Times are the caller's clock (seconds); events may carry their own time (observe_at), which is
+how the kernel log's history read at start is placed in the window instead of counted as new."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from agent.model import Check, Finding, PciAddress, Reason, XidEvent
+from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, XidEvent
 
 
 @dataclass(frozen=True)
@@ -36,48 +41,74 @@ class XidRateTracker:
         self.t = thresholds
         self._times: OrderedDict[tuple[PciAddress, int], deque[float]] = OrderedDict()
         self._tripped: set[tuple[PciAddress, int]] = set()
+        self._lock = threading.Lock()
+
+    def counts(self, ev: XidEvent) -> bool:
+        """Whether the rate counts this event: a non-fatal Xid on a GPU, not ignored."""
+        return not ev.fatal and ev.source == "xid" and ev.address is not None and ev.xid not in self.t.ignore
 
     def observe(self, events: Iterable[XidEvent], now: float) -> None:
         """Counts the non-fatal GPU Xids among `events`, all seen at `now`."""
+        self.observe_at((ev, now) for ev in events)
+
+    def observe_at(self, timed: Iterable[tuple[XidEvent, float]]) -> None:
+        """Counts the non-fatal GPU Xids among `timed`, each at its own time (in the order given)."""
         if not self.t.enabled:
             return
-        for ev in events:
-            if ev.fatal or ev.source != "xid" or ev.address is None or ev.xid in self.t.ignore:
-                continue
-            key = (ev.address, ev.xid)
-            q = self._times.get(key)
-            if q is None:
-                q = self._times[key] = deque(maxlen=max(self.t.count, 1) * 4)
-                while len(self._times) > self.t.max_keys:
-                    old, _ = self._times.popitem(last=False)
-                    self._tripped.discard(old)
-            else:
-                self._times.move_to_end(key)
-            q.append(now)
-            if len(q) >= self.t.count and q[-1] - q[-self.t.count] <= self.t.window_s:
-                self._tripped.add(key)
+        grouped: dict[tuple[PciAddress, int], list[float]] = {}  # one dict and deque lookup per key and call
+        for ev, at in timed:
+            if self.counts(ev):
+                grouped.setdefault((ev.address, ev.xid), []).append(at)  # type: ignore[arg-type]  # counts()
+        with self._lock:
+            for key, times in grouped.items():
+                self._add(key, times)
+
+    def _add(self, key: tuple[PciAddress, int], times: list[float]) -> None:
+        q = self._times.get(key)
+        if q is None:
+            q = self._times[key] = deque(maxlen=max(self.t.count, 1) * 4)
+            while len(self._times) > self.t.max_keys:
+                old, _ = self._times.popitem(last=False)
+                self._tripped.discard(old)
+        else:
+            self._times.move_to_end(key)
+        n, window = self.t.count, self.t.window_s
+        tripped = key in self._tripped
+        for at in times:
+            if q and at < q[-1]:
+                at = q[-1]  # times never go backwards within a key (the window arithmetic relies on it)
+            q.append(at)
+            if not tripped and len(q) >= n and at - q[-n] <= window:
+                tripped = True
+        if tripped:
+            self._tripped.add(key)
 
     def findings(self, now: float) -> list[Finding]:
         if not self.t.enabled:
             return []
         out: list[Finding] = []
-        for key in sorted(self._times):
-            q = self._times[key]
-            if q and q[-1] <= now - self.t.window_s:  # a clean window: forget it
-                del self._times[key]
-                self._tripped.discard(key)
-                continue
-            if key in self._tripped:
-                gpu, xid = key
-                recent = sum(1 for x in q if x > now - self.t.window_s)
-                out.append(
-                    Finding.fault(
-                        Check.XID_RATE,
-                        Reason.GPU_DEGRADED,
-                        f"Xid {xid} repeated: {self.t.count} or more within {self.t.window_s / 60:g} min "
-                        f"({recent} in the last window)",
-                        gpu,
-                        kind="xid_rate",
+        with self._lock:
+            for key in sorted(self._times):
+                q = self._times[key]
+                if q and q[-1] <= now - self.t.window_s:  # a clean window: forget it
+                    del self._times[key]
+                    self._tripped.discard(key)
+                    continue
+                if key in self._tripped:
+                    gpu, xid = key
+                    recent = sum(1 for x in q if x > now - self.t.window_s)
+                    out.append(
+                        Finding.fault(
+                            Check.XID_RATE,
+                            Reason.GPU_DEGRADED,
+                            f"Xid {xid} repeated: {self.t.count} or more within {self.t.window_s / 60:g} min "
+                            f"({recent} in the last window)",
+                            gpu,
+                            kind="xid_rate",
+                        )
                     )
-                )
         return out
+
+    def result(self, now: float) -> ProbeResult:
+        """findings(now) as a ProbeResult (the kernel log's own failure is the xid check's finding)."""
+        return ProbeResult(Check.XID_RATE, tuple(self.findings(now)))

@@ -18,11 +18,12 @@ from prometheus_client import (
 )
 
 from agent import __version__
-from agent.model import PciAddress, Reason, Status, Verdict, XidEvent
+from agent.model import Check, PciAddress, Reason, Status, Verdict, XidEvent
+from agent.report.taints import TaintMetrics
 
 disable_created_metrics()  # *_created series double the series count and nothing here uses them
 
-CHECKS = ("nvidia_smi", "pci", "device_plugin", "nvml", "xid")
+CHECKS = tuple(c.value for c in Check)  # the `check` label's values: the hard checks and the degradation probes
 
 
 def bus_id_label(raw: str) -> str:
@@ -102,6 +103,7 @@ class Metrics:
             "gpu_ready_build_info", "Always 1; the version label says which build", ["version"], registry=r
         )
         self.build_info.labels(__version__).set(1)
+        self.taints = TaintMetrics(r)  # gpu_ready_taint{effect}, gpu_ready_taint_changes_total (docs/taints.md)
         for c in CHECKS:
             self.check_failures.labels(c)
         self.smi_timeouts.inc(0)
@@ -137,7 +139,7 @@ class Metrics:
         for key in self._gpu_labels - now:
             self.gpu_healthy.remove(*key)  # unknown: absent
         self._gpu_labels = now
-        for src, n in v.counts.as_dict().items():
+        for src, n in vars(v.counts).items():  # every source, `dra` included, so a vanished one is removed
             if n is None:
                 try:
                     self.gpus.remove(src)
