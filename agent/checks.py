@@ -1,7 +1,13 @@
 """Runs every level check once and gathers their results into one Observation.
 Every probe returns a ProbeResult (findings, GPUs, count, whether it ran); this module only combines
 them and never looks inside findings. The kernel log is read elsewhere (kmsg_watch, or `check`'s
-one-shot read)."""
+one-shot read); it feeds non-fatal Xids to `xid_rate`, whose findings each cycle adds.
+
+The degradation signals (issue 18, docs/degradation.md) run after the hard checks: the PCIe links of the
+GPUs PCI found (speed judged with NVML's load), the device nodes, clock events (a tracker kept across
+cycles, fed one NVML sample per GPU and cycle), the Xid rate and the opt-in dcgm-exporter cross-check.
+Their faults carry reason GPUDegraded and pass through the same hysteresis (policy.py) as every level
+signal."""
 
 from __future__ import annotations
 
@@ -11,11 +17,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.config import Config
+from agent.kube import KubeApi
 from agent.model import Check, GpuIdentity, Observation, PciAddress, ProbeResult
-from agent.probes.device_plugin import MigLayout, probe_device_plugin
+from agent.probes.clocks import ClockEventTracker, ClockThresholds
+from agent.probes.dcgm import DcgmThresholds, dcgm_result
+from agent.probes.device_nodes import DeviceNodeThresholds, device_nodes_result, read_minor_numbers
+from agent.probes.device_plugin import MigLayout
+from agent.probes.dra import DraInventory, SliceRead, node_inventory, probe_gpu_serving, read_node_slices
 from agent.probes.nvidia_smi import NvidiaSmiRunner, probe_nvidia_smi
-from agent.probes.nvml import NvmlProbe, probe_nvml
+from agent.probes.nvml import NvmlProbe, NvmlSnapshot, read_nvml
 from agent.probes.pci import probe_pci
+from agent.probes.pcie import PcieThresholds, pcie_result
+from agent.probes.xid_rate import XidRateThresholds, XidRateTracker
 
 
 @dataclass
@@ -40,12 +53,39 @@ def mig_layout(gpus: Sequence[GpuIdentity]) -> MigLayout | None:
 
 
 class CheckSuite:
-    def __init__(self, cfg: Config, nvml: NvmlProbe | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        nvml: NvmlProbe | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        api: KubeApi | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.api = api  # reads the node's ResourceSlices (DRA-aware counting); None: not read
+        self.inventory: DraInventory | None = None  # the newest cycle's parsed slices (for fencing); None: unread
         self.smi = NvidiaSmiRunner(cfg.nvidia_smi, cfg.nvidia_smi_timeout)
         self.nvml = nvml or NvmlProbe(cfg.nvml, cfg.nvml_timeout, cfg.nvml_nvlink)
+        # What the NVML probe reads for the degradation probes (also on a probe passed in).
+        self.nvml.read_load = cfg.pcie and cfg.pcie_speed
+        self.nvml.read_clocks = cfg.clock_events
+        self.nvml.read_uuids = cfg.dcgm_exporter is not None
         self.clock = clock
         self.started = clock()
+        self.pcie = PcieThresholds(cfg.pcie, cfg.pcie_bridges, cfg.pcie_speed, cfg.pcie_busy_utilization)
+        self.device_nodes = DeviceNodeThresholds(cfg.device_nodes, cfg.dev_root, cfg.require_uvm)
+        self.clocks = ClockEventTracker(
+            ClockThresholds(
+                cfg.clock_events,
+                cfg.clock_window,
+                cfg.clock_max_slowed_share,
+                cfg.clock_min_samples,
+                cfg.thermal_margin_min,
+            )
+        )
+        self.xid_rate = XidRateTracker(
+            XidRateThresholds(cfg.xid_rate, cfg.xid_rate_count, cfg.xid_rate_window, frozenset(cfg.xid_rate_ignore))
+        )
+        self.dcgm = DcgmThresholds(cfg.dcgm_exporter, cfg.dcgm_required, cfg.dcgm_timeout, node_name=cfg.node_name)
 
     def run(
         self, node: dict[str, Any] | None, node_error: str | None = None, plugin_grace_s: float | None = None
@@ -57,28 +97,23 @@ class CheckSuite:
 
         smi = self._timed(stats, lambda: probe_nvidia_smi(self.smi))
         pci = self._timed(stats, lambda: probe_pci(self.cfg.sysfs_root))
-        nvml = self._timed(stats, lambda: probe_nvml(self.nvml))
+        t0 = time.monotonic()
+        nvml, snap = read_nvml(self.nvml)
+        stats.durations[nvml.check] = time.monotonic() - t0
         stats.smi_timed_out = smi.timed_out
         obs.counts.nvidia_smi, obs.counts.pci = smi.count, pci.count
         results = [smi, pci, nvml]
         if node is not None or node_error is not None:
             grace = self.cfg.plugin_grace if plugin_grace_s is None else plugin_grace_s
             mig = mig_layout(nvml.gpus) or mig_layout(smi.gpus)
-            plugin = self._timed(
-                stats,
-                lambda: probe_device_plugin(
-                    node,
-                    node_error,
-                    mig,
-                    self.cfg.mig_strategy,
-                    self.cfg.replicas,
-                    grace - (self.clock() - self.started),
-                ),
-            )
+            plugin = self._timed(stats, lambda: self._gpu_serving(node, node_error, mig, grace, pci))
+            dra = "dra_gpus" in plugin.counts  # the DRA driver's count: no "the device plugin serves N" message
             obs.counts.plugin_capacity = plugin.counts.get("plugin_capacity")
             obs.counts.plugin_allocatable = plugin.counts.get("plugin_allocatable")
-            obs.counts.plugin_physical = plugin.count
+            obs.counts.plugin_physical = None if dra else plugin.count
+            obs.counts.dra = plugin.count if dra else None
             results.append(plugin)
+        results += self._degradation(stats, pci, snap, results)
         gpus: dict[PciAddress, GpuIdentity] = {}
         for r in results:  # nvidia-smi first: its index and name win
             obs.findings += r.findings
@@ -91,6 +126,67 @@ class CheckSuite:
                 gpus.setdefault(g.address, g)
         obs.gpus = gpus
         return obs, stats
+
+    def _degradation(
+        self, stats: CycleStats, pci: ProbeResult, snap: NvmlSnapshot | None, hard: list[ProbeResult]
+    ) -> list[ProbeResult]:
+        """The degradation probes' results (docs/degradation.md); none when a signal is switched off."""
+        cfg, now, out = self.cfg, self.clock(), []
+        nv_gpus = [g for g in (snap.gpus if snap is not None else ()) if g.address is not None]
+        on_pci = sorted(pci.addresses) if pci.ran else []
+        if cfg.pcie and on_pci:
+            load = {g.address: g.load for g in nv_gpus if g.address is not None and g.load is not None}
+            out.append(self._timed(stats, lambda: pcie_result(cfg.sysfs_root, on_pci, self.pcie, load)))
+        if cfg.device_nodes and on_pci:
+            mig = any(g.mig_enabled for r in hard for g in r.gpus)
+            out.append(
+                self._timed(
+                    stats,
+                    lambda: device_nodes_result(
+                        self.device_nodes,
+                        minors=read_minor_numbers(cfg.proc_root, on_pci),
+                        gpu_count=len(on_pci),
+                        mig_enabled=mig,
+                    ),
+                )
+            )
+        if cfg.clock_events:
+            if snap is not None:  # NVML answered this cycle: one sample per GPU (a hung NVML keeps the history)
+                for g in nv_gpus:
+                    if g.address is not None and g.clock is not None:
+                        self.clocks.observe(g.address, g.clock, now)
+                self.clocks.forget_except(g.address for g in nv_gpus if g.address is not None)
+            out.append(self._timed(stats, lambda: self.clocks.result(now)))
+        if cfg.xid_rate:
+            out.append(self._timed(stats, lambda: self.xid_rate.result(now)))
+        if cfg.dcgm_exporter:
+            uuids = {g.uuid: g.address for g in nv_gpus if g.uuid and g.address is not None}
+            out.append(self._timed(stats, lambda: dcgm_result(self.dcgm, uuids)))
+        return out
+
+    def _gpu_serving(
+        self, node: dict[str, Any] | None, node_error: str | None, mig: MigLayout | None, grace: float, pci: ProbeResult
+    ) -> ProbeResult:
+        """The device-plugin check, deferring to the node's DRA ResourceSlices where they exist (one LIST per
+        poll from the apiserver's watch cache; probes/dra.py). Keeps the parsed slices for fencing."""
+        slices: SliceRead | None = None
+        name = self.cfg.node_name or ((node or {}).get("metadata") or {}).get("name")
+        wanted = self.cfg.dra_counting or self.cfg.fencing  # fencing needs the devices even when not counting
+        if wanted and self.api is not None and node is not None and isinstance(name, str):
+            slices = read_node_slices(self.api, name, self.cfg.dra_driver)
+        self.inventory = node_inventory(slices, self.cfg.dra_driver)
+        return probe_gpu_serving(
+            node,
+            node_error,
+            slices if self.cfg.dra_counting else None,
+            mig,
+            self.cfg.mig_strategy,
+            self.cfg.replicas,
+            grace - (self.clock() - self.started),
+            pci=pci.addresses if pci.ran else None,
+            driver=self.cfg.dra_driver,
+            inventory=self.inventory,
+        )
 
     @staticmethod
     def _timed(stats: CycleStats, fn: Callable[[], ProbeResult]) -> ProbeResult:

@@ -7,15 +7,18 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent import __version__
 from agent import config as config_mod
 from agent.checks import CheckSuite
+from agent.kmsg_watch import place_events
 from agent.kube import ApiError, KubeApi
 from agent.logs import setup_logging
 from agent.model import Check, Finding, LatchedFault, Status, Verdict, XidEvent
 from agent.probes.kmsg import KmsgSource, KmsgUnavailable
+from agent.report.condition import on_node, render_on_node
+from agent.report.fencing import FenceEffect, FenceReporter, FenceResult, FencingSettings
 from agent.verdict import decide
 from agent.xid import KernelLogParser, XidClassifier
 
@@ -29,12 +32,40 @@ CHECK_FLAGS = (
     "nvml",
     "nvml_timeout",
     "nvml_nvlink",
+    *(  # the degradation signals (docs/degradation.md)
+        "pcie",
+        "pcie_bridges",
+        "pcie_speed",
+        "pcie_busy_utilization",
+        "device_nodes",
+        "dev_root",
+        "require_uvm",
+        "proc_root",
+        "clock_events",
+        "clock_window",
+        "clock_max_slowed_share",
+        "clock_min_samples",
+        "thermal_margin_min",
+        "xid_rate",
+        "xid_rate_count",
+        "xid_rate_window",
+        "xid_rate_ignore",
+        "dcgm_exporter",
+        "dcgm_required",
+        "dcgm_timeout",
+    ),
     "expected_gpus",
     "xid_fatal",
     "xid_ignore",
     "unknown_xid_fatal",
+    "dra_counting",  # with --node: the node's ResourceSlices (docs/fencing.md)
+    "dra_driver",
+    "fencing_effect",
+    "fencing_max_rules",
     "mig_strategy",
     "replicas",
+    "condition_type",  # with --node/--node-json: what the Node shows (docs/taints.md)
+    "taint_key",
     "kubeconfig",
     "api_timeout",
     "log_format",
@@ -46,21 +77,32 @@ def classifier_from(cfg: config_mod.Config) -> XidClassifier:
     return XidClassifier(cfg.xid_fatal, cfg.xid_ignore, cfg.unknown_xid_fatal)
 
 
-def read_kernel_log(cfg: config_mod.Config) -> tuple[list[XidEvent], Finding | None]:
+class KernelLog(NamedTuple):
+    events: list[XidEvent]
+    problem: Finding | None  # the log could not be read (to the end)
+    device: bool  # the kernel's /dev/kmsg: record stamps share the monotonic clock's base
+    newest_usec: int | None  # the newest record's stamp (a file's "now")
+
+
+def read_kernel_log(cfg: config_mod.Config) -> KernelLog:
     """Reads every record in the kernel log once (the whole ring buffer on /dev/kmsg)."""
     src = KmsgSource(cfg.kmsg, trust_user=cfg.kmsg_trust_user)
     parser = KernelLogParser(classifier_from(cfg))
     events: list[XidEvent] = []
+    newest: int | None = None
+    problem: Finding | None = None
     try:
         src.open()
         for records in src.drain():
             for r in records:
                 events += parser.feed(r.text, r.seq, r.usec)
+                if r.usec is not None:
+                    newest = r.usec if newest is None else max(newest, r.usec)
     except KmsgUnavailable as e:
-        return events, Finding.unchecked(Check.XID, str(e), kind="kmsg_unavailable")
+        problem = Finding.unchecked(Check.XID, str(e), kind="kmsg_unavailable")
     finally:
         src.close()
-    return events, None
+    return KernelLog(events, problem, src.is_device, newest)
 
 
 def render_table(v: Verdict, xids: list[XidEvent]) -> str:
@@ -91,7 +133,8 @@ def render_table(v: Verdict, xids: list[XidEvent]) -> str:
     return "\n".join(out)
 
 
-def verdict_json(v: Verdict, xids: list[XidEvent]) -> dict[str, Any]:
+def verdict_json(v: Verdict, xids: list[XidEvent], fencing: FenceResult | None = None) -> dict[str, Any]:
+    """`fencing`: the node's DeviceTaintRules and what the agent would change (only with --node); else null."""
     return {
         "status": v.status.value,
         "reason": v.reason.value,
@@ -99,7 +142,31 @@ def verdict_json(v: Verdict, xids: list[XidEvent]) -> dict[str, Any]:
         "gpus": [g.to_json() for g in v.gpus],
         "counts": v.counts.as_dict(),
         "xids": [x.to_json() for x in xids],
+        "fencing": fencing.to_json() if fencing is not None else None,
     }
+
+
+def preview_fencing(api: KubeApi, node: str, cfg: config_mod.Config, v: Verdict, suite: CheckSuite) -> FenceResult:
+    """The node's DeviceTaintRules as they are and what `gpu-ready run` would change for this verdict (reads
+    only: API discovery and one LIST)."""
+    settings = FencingSettings(
+        True, FenceEffect(cfg.fencing_effect), cfg.dra_driver, cfg.fencing_max_rules, cfg.fencing_resync
+    )
+    return FenceReporter(api, node, settings).preview(v, suite.inventory)
+
+
+def render_fencing(f: FenceResult) -> list[str]:
+    out = ["", "Fencing: " + (f.summary() or "no device fenced")]
+    plan = f.plan
+    for what, devices in (
+        ("would fence", [d.device for d in plan.create]),
+        ("would change", [d.device for _, d in plan.update]),
+        ("would unfence", [r.device for r in plan.delete]),
+    ):
+        if devices:
+            out.append(f"  {what}: {', '.join(devices)}")
+    out += [f"  {line}" for line in (*plan.notes, *f.errors, *([f.unsupported] if f.unsupported else []))]
+    return out
 
 
 NODE_JSON_LIMIT = 16 << 20  # bytes; a Node object is a few KiB
@@ -137,6 +204,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     setup_logging(cfg.log_format, cfg.log_level)
     node: dict[str, Any] | None = None
     node_error: str | None = None
+    api: KubeApi | None = None
     if args.node_json:
         try:
             node = read_node_json(args.node_json)
@@ -146,28 +214,36 @@ def cmd_check(args: argparse.Namespace) -> int:
     elif args.node:
         try:
             api = KubeApi.from_environment(cfg.kubeconfig, cfg.api_timeout)
-            node = api.get_node(args.node)
+            node = api.get_node(args.node)  # the ResourceSlices are read too (dra_counting), in suite.run
         except ApiError as e:
             node_error = str(e)
         except Exception as e:  # kubeconfig missing or unreadable
             node_error = f"{type(e).__name__}: {e}"
-    suite = CheckSuite(cfg)
+    suite = CheckSuite(cfg, api=api if node is not None else None)
+    log = read_kernel_log(cfg)
+    xids, kmsg_problem = log.events, log.problem
+    # The Xid rate over the log read once: each event at its kernel-log time (kmsg_watch.place_events).
+    suite.xid_rate.observe_at(place_events(xids, device=log.device, now=suite.clock(), newest_usec=log.newest_usec))
     obs, _stats = suite.run(node, node_error, plugin_grace_s=0.0)
-    xids, kmsg_problem = read_kernel_log(cfg)
     if kmsg_problem is not None:
         obs.findings.append(kmsg_problem)
     now = time.time()
     latched = [LatchedFault(x.xid, x.raw_address, x.address, x.source, x.text, now) for x in xids if x.fatal]
     obs.xids = xids
     v = decide(obs, latched)
+    fencing = preview_fencing(api, args.node, cfg, v, suite) if api is not None and node is not None else None
+    shown = on_node(node, cfg.condition_type, cfg.taint_key) if node is not None else None
     if args.json:
-        print(json.dumps(verdict_json(v, xids), indent=2))
+        print(json.dumps({**verdict_json(v, xids, fencing), "node": shown}, indent=2))
     else:
-        print(render_table(v, xids))
+        lines = [render_table(v, xids), *(render_on_node(shown) if shown else [])]
+        print("\n".join([*lines, *(render_fencing(fencing) if fencing is not None else [])]))
     return EXIT[v.status]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_preflight: bool = True) -> argparse.ArgumentParser:
+    """`with_preflight`: the preflight subcommand's own flags (they import agent.preflight: `run` and `check`
+    go without it)."""
     p = argparse.ArgumentParser(prog="gpu-ready", description=__doc__)
     p.add_argument("--version", action="version", version=f"gpu-ready {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -183,13 +259,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_run)
     pf = sub.add_parser("preflight", help="run the onboarding gates and label the Node")
     pf.set_defaults(func=lambda a: __import__("agent.preflight", fromlist=["main"]).main(a))
-    try:
-        from agent.preflight import add_arguments
+    if with_preflight:
+        try:
+            from agent.preflight import add_arguments
 
-        add_arguments(pf)
-    except ImportError:
-        pass
+            add_arguments(pf)
+        except ImportError:
+            pass
     return p
+
+
+def wants_preflight(argv: list[str]) -> bool:
+    """The command is `preflight` (the first word that is not an option), or no command is named (help)."""
+    words = [a for a in argv if not a.startswith("-")]
+    return not words or words[0] == "preflight"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -199,7 +282,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(with_preflight=wants_preflight(argv))
     args = parser.parse_args(argv)
     try:
         setup_logging()  # `check` and `run` set it again from their settings (flag, env or file)

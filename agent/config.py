@@ -114,6 +114,18 @@ def choice(*options: str) -> Callable[[Any], str]:
     return conv
 
 
+def choice_exact(*options: str) -> Callable[[Any], str]:
+    """One of `options`, spelled as given (API enums such as NoSchedule); any other case is named in the error."""
+
+    def conv(v: Any) -> str:
+        s = str(v).strip() if isinstance(v, str) else v
+        if s not in options:
+            raise ValueError(f"expected one of {', '.join(options)}, got {_show(v)}")
+        return str(s)
+
+    return conv
+
+
 def in_range(
     conv: Callable[[Any], Any], low: float | None = None, high: float | None = None, *, above: bool = False
 ) -> Callable[[Any], Any]:
@@ -280,6 +292,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("node_name", optional(dns_subdomain), None, "Node to report on (default: $NODE_NAME)", env="NODE_NAME"),
     Setting("poll_interval", positive(to_float, DAY), 30.0, "seconds between check cycles"),
     Setting("heartbeat_interval", positive(to_float, DAY), 300.0, "seconds between condition heartbeats"),
+    # The own Node from a watch and the fleet's writes spread out (issue 20; README "API cost at fleet scale").
+    Setting("node_watch", to_bool, True, "read the own Node from a watch (off: GET resourceVersion=0 each poll)"),
+    Setting("node_watch_timeout", positive(to_float, DAY), 600.0, "each Node watch lasts 1 to 2 times this, seconds"),
+    Setting(
+        "start_spread",
+        non_negative(to_float, 3600),
+        60.0,
+        "hold the first condition write after start a random 0..this many seconds (unless the status changes)",
+    ),
+    Setting("heartbeat_jitter", in_range(to_float, 0, 1), 0.2, "each heartbeat waits interval x (1 +- jitter/2)"),
     Setting("recovery_polls", in_range(to_int, 1, 1000), 2, "clean polls before a level fault clears"),
     Setting("nvidia_smi", to_str, "nvidia-smi", "path of nvidia-smi"),
     Setting("nvidia_smi_timeout", positive(to_float, 3600), 30.0, "hard timeout for one nvidia-smi run, seconds"),
@@ -326,6 +348,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("xid_fatal", to_int_list, (), "Xids fatal in addition to the catalog's (comma list)"),
     Setting("xid_ignore", to_int_list, (), "Xids never fatal (comma list)"),
     Setting("unknown_xid_fatal", to_bool, True, "treat Xids missing from the catalog as fatal"),
+    # DRA-aware counting and per-GPU fencing (issue 16, docs/fencing.md)
+    Setting("dra_counting", to_bool, True, "count GPUs from the node's DRA ResourceSlices where they exist"),
+    Setting("dra_driver", dns_subdomain, "gpu.nvidia.com", "DRA driver whose devices are counted and fenced"),
+    Setting("fencing", to_bool, False, "one DeviceTaintRule per device of a faulty GPU (DRA nodes; docs/fencing.md)"),
+    Setting(
+        "fencing_effect",
+        choice_exact("None", "NoSchedule", "NoExecute"),
+        "None",
+        "effect of the DeviceTaintRules: None (dry run), NoSchedule or NoExecute (evicts pods)",
+    ),
+    Setting("fencing_max_rules", in_range(to_int, 1, 1024), 128, "DeviceTaintRules per node at most"),
+    Setting("fencing_resync", positive(to_float, DAY), 300.0, "re-list the DeviceTaintRules this often, seconds"),
     Setting("state_dir", to_str, "/var/lib/gpu-ready", "directory for latched faults (a hostPath)"),
     Setting("boot_id_file", to_str, "/proc/sys/kernel/random/boot_id", "file holding the boot ID"),
     Setting(
@@ -389,6 +423,10 @@ class Config:
     node_name: str | None
     poll_interval: float
     heartbeat_interval: float
+    node_watch: bool
+    node_watch_timeout: float
+    start_spread: float
+    heartbeat_jitter: float
     recovery_polls: int
     nvidia_smi: str
     nvidia_smi_timeout: float
@@ -422,6 +460,12 @@ class Config:
     xid_fatal: tuple[int, ...]
     xid_ignore: tuple[int, ...]
     unknown_xid_fatal: bool
+    dra_counting: bool
+    dra_driver: str
+    fencing: bool
+    fencing_effect: str
+    fencing_max_rules: int
+    fencing_resync: float
     state_dir: str
     boot_id_file: str
     mig_strategy: str

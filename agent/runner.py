@@ -1,6 +1,6 @@
 """`gpu-ready run`: the DaemonSet agent. This module only schedules.
 
-The loop thread runs every level check each poll (one Node GET per poll) and, after each cycle or
+The loop thread runs every level check each poll (the Node from a watch's cache: node_cache.py) and, after each cycle or
 kernel-log wake, asks the policy (policy.py) for the verdict and hands it to the reporters. The
 kernel-log watcher (kmsg_watch.py) and the Event publisher (report/events.py) run on their own threads;
 the main thread only waits for SIGTERM/SIGINT."""
@@ -8,6 +8,7 @@ the main thread only waits for SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import argparse
+import random
 import signal
 import sys
 import threading
@@ -22,14 +23,17 @@ from agent.kmsg_watch import KernelLogIngest, KmsgWatcher
 from agent.kube import ApiError, ApiHealth, KubeApi
 from agent.logs import get_logger
 from agent.model import Check, Finding, Observation, Reason, Status, Verdict
+from agent.node_cache import NodeCache, first_write_delay, heartbeat_delay
 from agent.policy import GateState, NodeFacts, RecoveryGate, adopt, decide_clear, node_facts
 from agent.probes.kmsg import KmsgSource
 from agent.report.condition import ConditionReporter, find_condition
 from agent.report.events import EventPublisher, EventReporter
+from agent.report.fencing import FenceEffect, FenceMetrics, FenceReporter, FenceWorker, FencingSettings
 from agent.report.metrics import Metrics
 from agent.report.server import HealthServer
+from agent.report.taints import TaintMode, TaintPlan, TaintReporter, TaintSettings
 from agent.state import LatchState, read_boot_id, read_boot_time
-from agent.verdict import gpu_label
+from agent.verdict import gpu_label, with_note
 from agent.xid import KernelLogParser, XidClassifier
 
 CLEAR_ANNOTATION = "gpu-ready.io/clear-before"
@@ -45,18 +49,19 @@ class Agent:
         self.metrics = m = metrics or Metrics()
         self.api = api or api_from(cfg)
         self.api.on_request = self.api.on_request or m.api_request
-        self.suite = CheckSuite(cfg)
+        self.api.metadata_answers = True  # status patches: the answer is never read, so only its metadata
+        self.suite = CheckSuite(cfg, api=self.api)
         self.state = LatchState(
             cfg.state_dir, read_boot_id(cfg.boot_id_file), on_write_failure=lambda _: m.state_write_failures.inc()
         )
         self.stop, self.wake = threading.Event(), threading.Event()
         parser = KernelLogParser(XidClassifier(cfg.xid_fatal, cfg.xid_ignore, cfg.unknown_xid_fatal))
-        ingest = KernelLogIngest(parser, self.state, m)
+        ingest = KernelLogIngest(parser, self.state, m, rate=self.suite.xid_rate, clock=self.suite.clock)
         self.kmsg = KmsgWatcher(KmsgSource(cfg.kmsg, cfg.kmsg_trust_user), ingest, m, self.wake.set, cfg.poll_interval)
         self.gate = RecoveryGate(cfg.recovery_polls)
         self.gate_state = GateState()
         self.facts = NodeFacts(cfg.require_preflight, False)
-        self.condition = ConditionReporter(self.api, self.node, cfg.heartbeat_interval)
+        self.condition = ConditionReporter(self.api, self.node, cfg.heartbeat_interval, ctype=cfg.condition_type)
         events = EventReporter(
             self.api, self.node, cfg.event_interval, cfg.event_namespace, on_write=lambda r: m.events.labels(r).inc()
         )
@@ -65,12 +70,38 @@ class Agent:
             events, min(30.0, cfg.poll_interval), self.log, on_drop=lambda code: dropped.labels(str(code)).inc()
         )
         self.api_health = ApiHealth(self.log, min(30.0, cfg.poll_interval))
+        # gpu-ready's taint on this Node (docs/taints.md): its own backoff, after the condition write, so a
+        # refused taint patch never delays a condition write. Never removed on shutdown.
+        taint_settings = TaintSettings(
+            TaintMode(cfg.taints), cfg.taint_no_execute, cfg.taint_unknown_as_false, cfg.taint_key
+        )
+        self.taints = TaintReporter(
+            self.api,
+            self.node,
+            taint_settings,
+            events=self.events,
+            metrics=m.taints,
+            retry_cap_s=min(30.0, cfg.poll_interval),
+            ctype=cfg.condition_type,
+        )
+        self.taint_health = ApiHealth(self.log, min(30.0, cfg.poll_interval))  # logs the taint write's state
+        self.fence = self._fence_worker()  # per-GPU DeviceTaintRules (docs/fencing.md); None when off
         self.obs: Observation | None = None  # the newest level observation
         self.last_node: tuple[dict[str, Any], float] | None = None
         self.state_outcome: str | None = None  # LatchState.load()'s answer; None until start()
         self.adopted = False
         self.cycles = 0
         self.started_mono = time.monotonic()
+        # the own Node from a watch (node_cache.py): a poll reads the cache; a label or annotation change wakes
+        # the loop at once (refresh_node). The first condition write is held up to start_spread (jittered).
+        self.rng = random.Random()
+        self.node_changed = threading.Event()
+        self.node_cache = (
+            NodeCache(self.api, self.node, on_change=self._node_changed, watch_timeout_s=cfg.node_watch_timeout)
+            if cfg.node_watch
+            else None
+        )
+        self.first_write_at = self.started_mono + first_write_delay(self.rng, cfg.start_spread)
         self.last_cycle_mono: float | None = None
         self.loop_thread: threading.Thread | None = None
         self.server: HealthServer | None = None
@@ -98,7 +129,8 @@ class Agent:
 
     def _read_node(self) -> tuple[dict[str, Any] | None, str | None]:
         try:
-            node = self.api.get_node(self.node)
+            # from the watch's cache; without it (or while it is down) GET resourceVersion=0: never a quorum read
+            node = self.node_cache.get() if self.node_cache else self.api.get_node(self.node, resource_version="0")
             self.api_health.ok("get node")
             self.last_node = (node, time.monotonic())
             return node, None
@@ -108,7 +140,21 @@ class Agent:
                 return self.last_node[0], None  # keep judging the plugin on the last Node we saw
             return None, str(e)
 
+    def _node_changed(self, _old: dict[str, Any] | None, _new: dict[str, Any] | None) -> None:
+        self.node_changed.set()  # on the watch thread: only wake the loop
+        self.wake.set()
+
+    def refresh_node(self) -> None:
+        """A label or annotation of the Node changed (the watch saw it): apply the clear-before annotation and
+        the preflight label now, for the next evaluate(), without a check cycle (no nvidia-smi run)."""
+        node, _ = self._read_node()
+        if node is None or not self.adopted:
+            return  # the next cycle reads it
+        self._apply_clear(node)
+        self.facts = node_facts(node, self.cfg.preflight_label, self.cfg.require_preflight, self.facts)
+
     def cycle(self) -> None:
+        self.node_changed.clear()  # this cycle reads the Node
         node, node_err = self._read_node()
         bid = read_boot_id(self.cfg.boot_id_file)
         if bid not in (self.state.boot_id, "unknown"):
@@ -138,7 +184,7 @@ class Agent:
 
     def _adopt(self, node: dict[str, Any]) -> None:
         self.adopted = True
-        existing = find_condition(node)
+        existing = find_condition(node, self.cfg.condition_type)
         self.condition.adopt(existing)
         self.events.reporter.node_uid = (node.get("metadata") or {}).get("uid")
         hold = adopt(
@@ -194,6 +240,7 @@ class Agent:
         return v
 
     def publish(self, v: Verdict) -> None:
+        v = self._fence(v)
         self.metrics.publish(v, len(self.state.snapshot()))
         gpus = self.obs.gpus if self.obs else {}
         for ev in self.kmsg.take_fresh():
@@ -201,7 +248,11 @@ class Agent:
             kind = "SXid" if ev.source == "sxid" else "Xid"
             note = f"{kind} {ev.xid} ({ev.name}) on {where}: {ev.text}"
             self.events.record(Reason.FATAL_XID.value, note[:1000], ev.raw_address, "Warning", "Detected")
-        if time.monotonic() < self.api_health.retry_at or not self.condition.due(v):
+        self._write_condition(v)
+        self._reconcile_taints(v)
+
+    def _write_condition(self, v: Verdict) -> None:
+        if time.monotonic() < self.api_health.retry_at or not self.condition.due(v) or self._first_write_held(v):
             return
         prev = self.condition.sent_status
         try:
@@ -210,16 +261,77 @@ class Agent:
             self.api_health.failed(e, "write status")
             return
         self.api_health.ok("write status")
+        self.condition.heartbeat_s = heartbeat_delay(self.rng, self.cfg.heartbeat_interval, self.cfg.heartbeat_jitter)
         self.metrics.condition_writes.inc()
         if changed:
-            self.log.info("GPUReady changed", status=v.status.value, reason=v.reason.value, message=v.message)
+            ctype = self.cfg.condition_type
+            self.log.info(
+                "GPUReady changed", condition=ctype, status=v.status.value, reason=v.reason.value, message=v.message
+            )
             self.events.record(
                 v.reason.value,
-                f"GPUReady {prev or 'unset'} -> {v.status.value}: {v.message}",
+                f"{ctype} {prev or 'unset'} -> {v.status.value}: {v.message}",
                 "",
                 "Normal" if v.status is Status.TRUE else "Warning",
                 "StatusChanged",
             )
+
+    def _first_write_held(self, v: Verdict) -> bool:
+        """start_spread: a fleet that restarts together (a roll-out, a reboot) does not write together. The first
+        write waits for its jittered moment unless it changes the status the Node shows (or shows none)."""
+        if self.condition.sent is not None or time.monotonic() >= self.first_write_at:
+            return False
+        return self.condition.sent_status == v.status.value
+
+    def _reconcile_taints(self, v: Verdict) -> None:
+        """gpu-ready's taint after the condition: planned from the freshest Node copy (the poll's read, or
+        the reporter's own newer one), so a steady state costs no request. The taint is removed only once the
+        Node shows the condition True (what the scheduler lets in, observers can see why); it is added as soon
+        as the verdict asks, whether or not the condition write went through."""
+        if self.last_node is None or not self.taints.due():
+            return
+        if v.status is Status.TRUE and self.condition.sent_status != Status.TRUE.value:
+            return
+        hold = self.gate_state.hold
+        latched_fatal = bool(self.state.snapshot()) or (hold is not None and hold.latched)
+        gate_open = not self.cfg.require_preflight or self.facts.preflight_passed
+        node = self.taints.freshest(*self.last_node)
+        try:
+            plan: TaintPlan = self.taints.reconcile(v, latched_fatal, gate_open, node)
+        except ApiError as e:
+            self.taint_health.failed(e, "write taint")
+            return
+        if plan:
+            self.taint_health.ok("write taint")
+            self.log.info(
+                "taint changed",
+                key=self.cfg.taint_key,
+                added=list(plan.add),
+                removed=list(plan.remove),
+                why=plan.why,
+                mode=self.cfg.taints,
+            )
+
+    def _fence_worker(self) -> FenceWorker | None:
+        cfg = self.cfg
+        if not cfg.fencing:
+            return None
+        settings = FencingSettings(
+            True, FenceEffect(cfg.fencing_effect), cfg.dra_driver, cfg.fencing_max_rules, cfg.fencing_resync
+        )
+        reporter = FenceReporter(
+            self.api, self.node, settings, on_event=self.events.record, metrics=FenceMetrics(self.metrics.registry)
+        )
+        return FenceWorker(reporter, on_change=self.wake.set, log=self.log)
+
+    def _fence(self, v: Verdict) -> Verdict:
+        """Per-GPU fencing: hands the verdict and the node's slices to the fencing thread (never waits for it, so
+        fencing never delays the condition write) and returns the verdict with the devices fenced so far named
+        in its message. When that set changes the fencing thread wakes the loop, which republishes."""
+        if self.fence is None:
+            return v
+        self.fence.submit(v, self.suite.inventory)
+        return with_note(v, self.fence.summary())
 
     # -- main loop ---------------------------------------------------------------------------------------
 
@@ -234,6 +346,10 @@ class Agent:
         self.kmsg.read_available()  # the whole ring buffer once before the first verdict, then follow it
         self.kmsg.start()
         self.events.start()
+        if self.node_cache is not None:
+            self.node_cache.start()
+        if self.fence is not None:
+            self.fence.start()
         if serve:
             self.server = HealthServer(self.cfg.metrics_address, self.metrics.registry, self.healthy, self.ready)
             self.server.start()
@@ -249,6 +365,9 @@ class Agent:
                 if rerun or time.monotonic() >= next_poll:
                     self.cycle()
                     next_poll = time.monotonic() + self.cfg.poll_interval
+                elif self.node_changed.is_set():
+                    self.node_changed.clear()
+                    self.refresh_node()
                 if self.cycles > 0 and not self.stop.is_set():
                     self.publish(self.evaluate())
             except Exception as e:  # a bug must not stop the agent from reporting
@@ -256,6 +375,10 @@ class Agent:
                 next_poll = time.monotonic() + min(self.cfg.poll_interval, 5.0)
             now = time.monotonic()
             deadline = min(next_poll, self.api_health.retry_at) if self.api_health.retry_at > now else next_poll
+            if self.taints.retry_at > now:
+                deadline = min(deadline, self.taints.retry_at)
+            if self.condition.sent is None and self.first_write_at > now:
+                deadline = min(deadline, self.first_write_at)
             self.wake.wait(max(0.0, deadline - now))
             self.wake.clear()
 
@@ -267,6 +390,10 @@ class Agent:
         # The write in flight (if any) finishes under its own timeout; do not start another.
         self.suite.smi.kill_running()
         self.events.close()
+        if self.node_cache is not None:
+            self.node_cache.stop()
+        if self.fence is not None:
+            self.fence.close()
         if self.server is not None:
             self.server.stop()
         self.kmsg.close()

@@ -434,8 +434,15 @@ class SimHost:
         return bid
 
     def agent_args(self) -> list[str]:
-        """Flags that point gpu-ready at this host."""
+        """Flags that point gpu-ready at this host (a healthy set of device nodes, nvidia-caps included, is made
+        unless dev/ exists)."""
+        if not self.dev.exists():
+            self.make_dev_nodes(mig=True)
         return [
+            "--dev-root",
+            str(self.dev),
+            "--proc-root",
+            str(self.proc),
             "--nvidia-smi",
             str(self.nvidia_smi),
             "--sysfs-root",
@@ -451,8 +458,14 @@ class SimHost:
         ]
 
     def check_args(self) -> list[str]:
-        """Flags that point `gpu-ready check` at this host."""
+        """Flags that point `gpu-ready check` at this host (device nodes as in agent_args)."""
+        if not self.dev.exists():
+            self.make_dev_nodes(mig=True)
         return [
+            "--dev-root",
+            str(self.dev),
+            "--proc-root",
+            str(self.proc),
             "--nvidia-smi",
             str(self.nvidia_smi),
             "--sysfs-root",

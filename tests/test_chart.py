@@ -68,6 +68,14 @@ VALUE_SETS = {
         "--set",
         "events.namespace=kube-system",
     ],
+    "fencing": [
+        "--set",
+        "fencing.enabled=true",
+        "--set",
+        "fencing.effect=NoExecute",
+        "--set",
+        "fencing.allowNoExecute=true",
+    ],
     "preflight": [
         "--set",
         "preflight.enabled=true",
@@ -135,9 +143,18 @@ def test_default_manifest_shape():
     assert "resources" in c and c["resources"]["limits"]["memory"]
     rules = docs[("ClusterRole", "gpu-ready")]["rules"]
     assert rules == [
-        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "watch"]},  # watch: the own-Node cache
         {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
     ]
+    # config.nodeWatch=false (GET resourceVersion=0 each poll instead) drops watch; taints add patch
+    # (the schema check is skipped here so this holds whether or not values.schema.json names nodeWatch yet)
+    for values, verbs in (
+        (["--set", "config.nodeWatch=false"], ["get"]),
+        (["--set", "config.nodeWatch=false", "--set", "taints.enabled=true"], ["get", "patch"]),
+        (["--set", "taints.enabled=true"], ["get", "watch", "patch"]),
+    ):
+        other = {(d["kind"], d["metadata"]["name"]): d for d in render(["--skip-schema-validation", *values])}
+        assert other[("ClusterRole", "gpu-ready")]["rules"][0]["verbs"] == verbs, values
     events = docs[("Role", "gpu-ready-events")]
     assert events["metadata"]["namespace"] == "default"  # Events about a Node: default or kube-system only
     assert events["rules"] == [{"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]}]
@@ -159,6 +176,35 @@ def test_configmap_is_a_valid_agent_config(tmp_path):
     f.write_text(cm["data"]["config.yaml"])
     cfg = config.load(None, environ={"GPU_READY_CONFIG": str(f)})
     assert (cfg.expected_gpus, list(cfg.xid_ignore), cfg.poll_interval) == (8, [109, 63], 30.0)
+
+
+def test_configmap_passes_the_fencing_values_to_the_agent(tmp_path):
+    """The `fencing` values reach the agent's settings (docs/fencing.md); defaults: counting on, fencing off."""
+    from agent import config
+
+    def cfg_of(values: list[str]) -> config.Config:
+        cm = next(d for d in render(values) if d["kind"] == "ConfigMap")
+        f = tmp_path / "config.yaml"
+        f.write_text(cm["data"]["config.yaml"])
+        return config.load(None, environ={"GPU_READY_CONFIG": str(f)})
+
+    d = cfg_of([])
+    assert (d.fencing, d.fencing_effect, d.dra_counting, d.dra_driver) == (False, "None", True, "gpu.nvidia.com")
+    extra = [
+        "--set",
+        "fencing.maxRules=64",
+        "--set",
+        "fencing.resyncSeconds=60",
+        "--set",
+        "fencing.driver=gpu.example.com",
+    ]
+    c = cfg_of([*VALUE_SETS["fencing"], *extra, "--set", "fencing.countFromResourceSlices=false"])
+    assert (c.fencing, c.fencing_effect, c.fencing_max_rules, c.fencing_resync) == (True, "NoExecute", 64, 60.0)
+    assert (c.dra_driver, c.dra_counting) == ("gpu.example.com", False)
+    r = helm(
+        "template", "x", str(CHART), "--kube-version", KUBE_VERSION, "--set", "fencing.effect=NoExecute", check=False
+    )
+    assert r.returncode != 0 and "allowNoExecute" in r.stderr
 
 
 def test_chart_rules_and_dashboard_are_the_shipped_files():
@@ -298,6 +344,7 @@ def test_chart_rbac_and_own_node_admission_policy(control_plane, admin, make_nod
         assert time.monotonic() < deadline, "admission policy never denied the other node's status"
         time.sleep(0.3)
     attempt("get node A", lambda: agent.get_node(node_a))
+    attempt("watch node A", lambda: agent.watch_nodes(f"metadata.name={node_a}", "0", 1).close())
     attempt("patch node A status", lambda: agent.patch_node_status(node_a, cond))
     attempt(
         "create event",
@@ -325,7 +372,7 @@ def test_chart_rbac_and_own_node_admission_policy(control_plane, admin, make_nod
     attempt("list nodes", lambda: agent.request("GET", "/api/v1/nodes"))
     attempt("delete node B", lambda: agent.request("DELETE", f"/api/v1/nodes/{node_b}"))
     print(f"\n[rbac] can: {can}\n[rbac] cannot: {[w for w, _ in cannot]}")
-    assert can == ["get node A", "patch node A status", "create event"]
+    assert can == ["get node A", "watch node A", "patch node A status", "create event"]
     by = dict(cannot)
     assert "may only change the Node it runs on" in by["patch node B status"]
     assert set(by) == {

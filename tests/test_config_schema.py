@@ -18,6 +18,17 @@ BY_KEY = {s.file_key: s for s in config.SETTINGS}
 # Settings the chart sets itself (from other values, the downward API or fixed mount paths), or that
 # make no sense in a cluster: not part of `config`.
 CHART_MANAGED = {
+    "conditionType": "conditionType (also read by the admission policy)",
+    "taints": "taints.mode when taints.enabled, else off (docs/taints.md)",
+    "taintKey": "taints.key (also read by the admission policy)",
+    "taintNoExecute": "taints.noExecuteOnFatal",
+    "taintUnknownAsFalse": "taints.unknownAsFalse",
+    "fencing": "fencing.enabled",
+    "fencingEffect": "fencing.effect",
+    "fencingMaxRules": "fencing.maxRules",
+    "fencingResync": "fencing.resyncSeconds",
+    "draDriver": "fencing.driver",
+    "draCounting": "fencing.countFromResourceSlices",
     "nodeName": "NODE_NAME from spec.nodeName",
     "eventNamespace": "GPU_READY_EVENT_NAMESPACE from events.namespace (default or kube-system)",
     "sysfsRoot": "the /host/sys mount",

@@ -98,6 +98,7 @@ def exported_names() -> set[str]:
     m.api_request("GET", 200)
     m.events.labels("FatalXid").inc()
     m.check_duration.labels("pci").observe(0.01)
+    m.taints.observe(())  # gpu_ready_taint{effect}: set from the first Node read
     text = generate_latest(m.registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 

@@ -11,6 +11,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -535,6 +536,12 @@ def test_a_concurrent_taint_change_is_never_clobbered(sched_plane, agent_for):
     assert done.add == (NO_SCHEDULE,)
     assert ("PATCH", 422) in agent.requests  # the test op caught the stale list ...
     assert node_taints(plane, node) == [*OTHERS[:2], {"key": TAINT_KEY, "effect": NO_SCHEDULE}]  # ... and re-planned
+    # A watch cache may hand the poll a copy from before the patch, read after it: the reporter plans from its own
+    # newer copy instead (by resourceVersion), so it does not patch again.
+    newest = agent.taints.newest
+    assert newest is not None and agent.taints.freshest(stale, read_at=newest[1] + 60) is newest[0]
+    fresh = agent.api.get_node(node)
+    assert agent.taints.freshest(fresh, read_at=newest[1] + 60) is fresh
 
     # A change made while the agent removes its entry survives too.
     stale = agent.api.get_node(node)
@@ -558,11 +565,173 @@ def test_a_token_without_patch_nodes_gets_a_clear_error(sched_plane):
     node = register_node(plane, [STARTUP_TAINT])
     api, _ = service_account_client(plane.admin, AGENT_RULES, pod_on_node=node)  # no `patch nodes`
     try:
-        reporter = TaintReporter(api, node, STARTUP)
+        now = [1000.0]
+        reporter = TaintReporter(api, node, STARTUP, mono=lambda: now[0], retry_cap_s=10)
         with pytest.raises(ApiError) as e:
             reporter.reconcile(HEALTHY, False, True)
         assert e.value.status == 403
         assert node_taints(plane, node) == [STARTUP_TAINT]  # never reported as removed
         assert reporter.last_taints is None
+        # Its own backoff (the runner's condition writes have theirs): 0.5 s doubling with jitter, capped.
+        assert reporter.failures == 1 and 1000.4 <= reporter.retry_at <= 1000.6 and not reporter.due()
+        for _ in range(8):
+            now[0] = reporter.retry_at
+            assert reporter.due()
+            with pytest.raises(ApiError):
+                reporter.reconcile(HEALTHY, False, True)
+        assert reporter.failures == 9 and reporter.retry_at - now[0] <= 10
+        # The Node it read is newer than a poll's read from before: plans start from it, not the stale one.
+        assert reporter.newest is not None and reporter.freshest({"stale": True}, 999.0) is reporter.newest[0]
+        assert reporter.freshest({"fresh": True}, now[0] + 1) == {"fresh": True}
     finally:
         api.close()
+
+
+# -- settings and the chart's wiring ------------------------------------------------------------------------------
+
+
+def test_taint_and_condition_settings_are_validated():
+    from agent import config
+
+    cfg = config.defaults()
+    assert (cfg.taints, cfg.taint_key, cfg.condition_type) == ("off", TAINT_KEY, "GPUReady")
+    assert (cfg.taint_no_execute, cfg.taint_unknown_as_false) == (False, False)
+    cfg = config.load(
+        None,
+        environ={
+            "GPU_READY_TAINTS": "Continuous",
+            "GPU_READY_TAINT_NO_EXECUTE": "true",
+            "GPU_READY_CONDITION_TYPE": "nvidia.com/GPUReady",
+            "GPU_READY_TAINT_KEY": "startup-taint.cluster-autoscaler.kubernetes.io/gpu-not-ready",
+        },
+    )
+    assert (cfg.taints, cfg.taint_no_execute, cfg.condition_type) == ("continuous", True, "nvidia.com/GPUReady")
+    for name, bad in [
+        ("taints", "sometimes"),
+        ("taint_key", "a b/c"),
+        ("taint_key", "x/" + "n" * 64),
+        ("condition_type", "nvidia.com/"),
+        ("condition_type", "GPU Ready"),
+        ("taint_unknown_as_false", "maybe"),
+    ]:
+        with pytest.raises(config.ConfigError, match=name.replace("_", "-")):
+            config.defaults(**{name: bad})
+
+
+_keyish = st.text(alphabet="abcAZ09-._/ ", max_size=80)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_keyish)
+def test_the_setting_accepts_exactly_the_keys_the_reporter_accepts(key):
+    from agent import config
+
+    try:
+        config.qualified_name(key)
+        ok = True
+    except ValueError:
+        ok = False
+    assert ok == (taint_key_error(key) is None), key
+
+
+def test_bad_taint_settings_exit_2_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    for flags in (["--taints", "always"], ["--condition-type", "nvidia.com//GPUReady"], ["--taint-key", ""]):
+        r = subprocess.run(
+            [sys.executable, "-m", "agent", "run", "--node-name", "n1", *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        )
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("gpu-ready: configuration error: invalid "), r.stderr
+
+
+def test_chart_passes_taint_settings_and_tolerates_the_key_with_every_effect(tmp_path):
+    from agent import config
+    from tests.test_chart import render
+
+    def rendered(*values: str) -> tuple[config.Config, list[dict[str, Any]], list[dict[str, Any]]]:
+        docs = render(list(values))
+        cm = next(d for d in docs if d["kind"] == "ConfigMap" and "config.yaml" in d["data"])
+        f = tmp_path / "config.yaml"
+        f.write_text(cm["data"]["config.yaml"])
+        ds = next(d for d in docs if d["kind"] == "DaemonSet")
+        role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "gpu-ready")
+        return config.load(None, environ={"GPU_READY_CONFIG": str(f)}), ds["spec"]["template"]["spec"], role["rules"]
+
+    cfg, pod, rules = rendered()
+    assert (cfg.taints, cfg.taint_key, cfg.condition_type) == ("off", TAINT_KEY, "GPUReady")
+    assert pod["tolerations"][0] == {"key": TAINT_KEY, "operator": "Exists"}  # no effect: NoSchedule and NoExecute
+    nodes_verbs = next(r["verbs"] for r in rules if r["resources"] == ["nodes"])
+    assert "get" in nodes_verbs and "patch" not in nodes_verbs  # no `patch nodes` with taints off
+
+    key = "startup-taint.cluster-autoscaler.kubernetes.io/gpu-not-ready"
+    cfg, pod, rules = rendered(
+        *("--set", "taints.enabled=true", "--set", "taints.mode=continuous", "--set", f"taints.key={key}"),
+        *("--set", "taints.noExecuteOnFatal=true", "--set", "taints.unknownAsFalse=true"),
+        *("--set", "conditionType=nvidia.com/GPUReady"),
+    )
+    assert (cfg.taints, cfg.taint_key, cfg.taint_no_execute, cfg.taint_unknown_as_false) == (
+        "continuous",
+        key,
+        True,
+        True,
+    )
+    assert cfg.condition_type == "nvidia.com/GPUReady"
+    assert {"key": key, "operator": "Exists"} in pod["tolerations"]
+    assert {"key": TAINT_KEY, "operator": "Exists"} not in pod["tolerations"]
+    assert "patch" in next(r["verbs"] for r in rules if r["resources"] == ["nodes"])
+    cfg, _, _ = rendered("--set", "taints.enabled=true")
+    assert cfg.taints == "startup"  # the chart's default mode once enabled
+
+
+def test_mode_off_reports_the_taint_it_sees_and_writes_nothing():
+    """A node pool that adds the startup taint while the agent's taints are off: no request (the token has no
+    `patch nodes`), but gpu_ready_taint shows the taint, so GPUNodeTaintedTooLong can say why the node is out."""
+    from typing import cast
+
+    reg = CollectorRegistry()
+    reporter = TaintReporter(cast(KubeApi, None), "n1", TaintSettings(), metrics=TaintMetrics(reg))
+    assert reporter.due()
+    assert not reporter.reconcile(HEALTHY, False, True)  # no Node given: nothing read, nothing reported
+    assert reg.get_sample_value("gpu_ready_taint", {"effect": NO_SCHEDULE}) is None
+    assert not reporter.reconcile(HEALTHY, False, True, node={"spec": {"taints": [*OTHERS, STARTUP_TAINT]}})
+    assert reg.get_sample_value("gpu_ready_taint", {"effect": NO_SCHEDULE}) == 1
+    assert reg.get_sample_value("gpu_ready_taint", {"effect": NO_EXECUTE}) == 0
+    assert reporter.newest is None and reporter.failures == 0
+
+
+def test_what_the_node_shows_for_check_and_adopt():
+    """`gpu-ready check --node-json` (on_node) and the runner's adopt read the configured condition type; a
+    malformed saved Node never raises."""
+    from agent.report.condition import find_condition, on_node, render_on_node
+
+    node = {
+        "spec": {"taints": [*OTHERS, STARTUP_TAINT, {"key": TAINT_KEY, "effect": NO_EXECUTE}]},
+        "status": {
+            "conditions": [
+                {"type": "GPUReady", "status": "True", "reason": "GPUsHealthy"},
+                {"type": "nvidia.com/GPUReady", "status": "False", "reason": "FatalXid", "lastTransitionTime": "t"},
+            ]
+        },
+    }
+    shown = on_node(node, "nvidia.com/GPUReady", TAINT_KEY)
+    assert shown["condition"]["status"] == "False" and shown["condition"]["reason"] == "FatalXid"
+    assert shown["taintEffects"] == [NO_EXECUTE, NO_SCHEDULE]
+    assert render_on_node(shown)[-1] == (
+        f"On the Node now: nvidia.com/GPUReady=False (FatalXid) since t; {TAINT_KEY}: {NO_EXECUTE}, {NO_SCHEDULE}"
+    )
+    assert find_condition(node)["status"] == "True"  # the default type
+    empty = on_node({}, "GPUReady", "example.com/other")
+    assert empty["condition"] is None and empty["taintEffects"] == []
+    assert render_on_node(empty)[-1] == "On the Node now: no GPUReady condition; no example.com/other taint"
+    for bad in ({"status": []}, {"status": {"conditions": {"a": 1}}}, {"status": {"conditions": [1, None]}}):
+        assert find_condition(bad) is None
+    for bad_spec in ([], {"taints": {"x": 1}}, {"taints": [1, "x", None]}):
+        assert on_node({"spec": bad_spec}, "GPUReady", TAINT_KEY)["taintEffects"] == []

@@ -1,6 +1,8 @@
 """The GPUReady node condition: a strategic-merge PATCH of nodes/<node>/status carrying only that
 condition, sent when status, reason or message changed or when the heartbeat is due.
-lastTransitionTime changes only when the status changes."""
+lastTransitionTime changes only when the status changes. The condition's type is a setting
+(`conditionType`, default GPUReady; e.g. nvidia.com/GPUReady to stand in for gpu-operator's probe):
+the reporter writes it and the runner adopts the condition of that type found on the Node at start."""
 
 from __future__ import annotations
 
@@ -20,8 +22,11 @@ def rfc3339(ts: float) -> str:
 
 
 def find_condition(node: dict[str, Any] | None, ctype: str = CONDITION_TYPE) -> dict[str, Any] | None:
-    for c in ((node or {}).get("status") or {}).get("conditions") or []:
-        if c.get("type") == ctype:
+    """The Node's condition of type `ctype`; None when absent (or the Node is malformed: a saved file)."""
+    status = (node or {}).get("status")
+    conditions = status.get("conditions") if isinstance(status, dict) else None
+    for c in conditions[:1000] if isinstance(conditions, list) else []:
+        if isinstance(c, dict) and c.get("type") == ctype:
             return dict(c)
     return None
 
@@ -34,10 +39,12 @@ class ConditionReporter:
         heartbeat_s: float,
         wall: Callable[[], float] = time.time,
         mono: Callable[[], float] = time.monotonic,
+        ctype: str = CONDITION_TYPE,
     ) -> None:
         self.api = api
         self.node = node
         self.heartbeat_s = heartbeat_s
+        self.ctype = ctype
         self.wall = wall
         self.mono = mono
         self.sent: tuple[str, str, str] | None = None
@@ -62,7 +69,7 @@ class ConditionReporter:
         changed = self.sent_status != v.status.value
         transition = now if changed or self.transition is None else self.transition
         cond = {
-            "type": CONDITION_TYPE,
+            "type": self.ctype,
             "status": v.status.value,
             "reason": v.reason.value,
             "message": v.message,
@@ -73,3 +80,38 @@ class ConditionReporter:
         self.sent, self.sent_status, self.transition = v.key, v.status.value, transition
         self.last_write_mono = self.mono()
         return changed
+
+
+def on_node(node: dict[str, Any], ctype: str, taint_key: str) -> dict[str, Any]:
+    """What a Node shows of gpu-ready (for `gpu-ready check --node/--node-json`): its condition of the
+    configured type (None when absent) and the effects of gpu-ready's taint on it."""
+    spec = node.get("spec")
+    taints = spec.get("taints") if isinstance(spec, dict) else None
+    effects = sorted(
+        {
+            str(t.get("effect", ""))[:32]
+            for t in (taints[:1000] if isinstance(taints, list) else [])
+            if isinstance(t, dict) and t.get("key") == taint_key
+        }
+    )
+    c = find_condition(node, ctype)
+    keep = ("status", "reason", "message", "lastTransitionTime", "lastHeartbeatTime")
+    return {
+        "conditionType": ctype,
+        "condition": {k: c.get(k) for k in keep} if c else None,
+        "taintKey": taint_key,
+        "taintEffects": effects,
+    }
+
+
+def render_on_node(shown: dict[str, Any]) -> list[str]:
+    """Table lines for on_node()'s answer."""
+    c = shown["condition"]
+    cond = (
+        f"{shown['conditionType']}={c.get('status')} ({c.get('reason')}) since {c.get('lastTransitionTime')}"
+        if c
+        else f"no {shown['conditionType']} condition"
+    )
+    effects = shown["taintEffects"]
+    taint = f"{shown['taintKey']}: {', '.join(effects)}" if effects else f"no {shown['taintKey']} taint"
+    return ["", f"On the Node now: {cond}; {taint}"]

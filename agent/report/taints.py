@@ -17,24 +17,28 @@ A condition does not stop the scheduler; a taint does. Two modes (docs/taints.md
 add and remove. `TaintReporter` applies a plan with one JSON patch whose first op `test`s the whole taint
 list it planned from, so a concurrent change by anyone else (an admin, the device plugin, the node
 lifecycle controller) fails the patch instead of being overwritten; it then re-reads the Node and plans
-again. Entries whose key is not gpu-ready's are copied through unchanged, in their order."""
+again. Entries whose key is not gpu-ready's are copied through unchanged, in their order.
+
+The reporter keeps its own backoff (`due()`): a refused or failed taint write is retried later without
+holding back the condition write, which the runner sends first and on its own backoff. It never removes
+the taint on shutdown: a node whose agent stops keeps what its last verdict asked for."""
 
 from __future__ import annotations
 
+import random
 import re
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.kube import ApiError, KubeApi
 from agent.model import Status, Verdict
-from agent.report.events import EventReporter
 
 TAINT_KEY = "gpu-ready.io/gpu-not-ready"
 NO_SCHEDULE = "NoSchedule"
@@ -45,6 +49,14 @@ JSON_PATCH = "application/json-patch+json"
 MAX_TAINTS = 1000  # bounds the work on a malformed Node; the API itself keeps the list far shorter
 _NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+class RecordsEvents(Protocol):
+    """EventReporter or EventPublisher: notes an Event; the caller's publisher writes it."""
+
+    def record(
+        self, reason: str, note: str, gpu: str = "", type_: str = "Warning", action: str = "Detected"
+    ) -> None: ...
 
 
 class TaintMode(StrEnum):
@@ -103,18 +115,20 @@ def plan_taints(
     current_taints: Sequence[dict[str, Any]],
     settings: TaintSettings,
     startup_gate_open: bool,
+    ctype: str = "GPUReady",
 ) -> TaintPlan:
     """What gpu-ready's taint should become. Pure: no I/O, no clock.
 
     `startup_gate_open` is True when nothing but the verdict holds the gate: preflight=passed when
-    requirePreflight is on, always True otherwise. Only entries with gpu-ready's key are ever planned."""
+    requirePreflight is on, always True otherwise. Only entries with gpu-ready's key are ever planned.
+    `ctype` (the condition type) only names the condition in `why`."""
     ours = own_effects(current_taints, settings.key)
     if settings.mode is TaintMode.OFF:
         return TaintPlan()
     if status is Status.TRUE:
         if not startup_gate_open or not ours:
             return TaintPlan()
-        return TaintPlan(remove=tuple(sorted(ours)), why=f"GPUReady=True ({reason})")
+        return TaintPlan(remove=tuple(sorted(ours)), why=f"{ctype}=True ({reason})")
     if settings.mode is not TaintMode.CONTINUOUS:
         return TaintPlan()  # the start-up gate only opens; it never closes again
     if status is Status.UNKNOWN and not settings.unknown_as_false:
@@ -127,7 +141,7 @@ def plan_taints(
     if not add and not remove:
         return TaintPlan()
     return TaintPlan(
-        add, remove, f"GPUReady={status.value} ({reason})" + (", fatal fault latched" if latched_fatal else "")
+        add, remove, f"{ctype}={status.value} ({reason})" + (", fatal fault latched" if latched_fatal else "")
     )
 
 
@@ -163,7 +177,7 @@ def taint_patch(raw_taints: Any, new: list[dict[str, Any]]) -> list[dict[str, An
 
 class TaintMetrics:
     """`gpu_ready_taint{effect}`: 1 while the Node carries gpu-ready's taint with that effect, 0 when it
-    does not (as last read or written; absent until the first reconcile). `gpu_ready_taint_changes_total
+    does not (as last read or written; absent until the first Node read). `gpu_ready_taint_changes_total
     {change, effect}`: taint entries added and removed by this agent."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -202,10 +216,13 @@ class TaintReporter:
         api: KubeApi,
         node: str,
         settings: TaintSettings,
-        events: EventReporter | None = None,
+        events: RecordsEvents | None = None,
         metrics: TaintMetrics | None = None,
         wall: Callable[[], float] = time.time,
         attempts: int = 3,
+        mono: Callable[[], float] = time.monotonic,
+        retry_cap_s: float = 30.0,
+        ctype: str = "GPUReady",
     ) -> None:
         self.api = api
         self.node = node
@@ -213,8 +230,31 @@ class TaintReporter:
         self.events = events
         self.metrics = metrics
         self.wall = wall
+        self.mono = mono
         self.attempts = max(1, attempts)
+        self.retry_cap_s = retry_cap_s
+        self.ctype = ctype
         self.last_taints: list[dict[str, Any]] | None = None
+        self.newest: tuple[dict[str, Any], float] | None = None  # the last Node this reporter read or wrote
+        self.superseded: list[str] = []  # resourceVersions this reporter planned from and then patched over
+        self.failures = 0  # consecutive failed reconciles
+        self.retry_at = 0.0  # monotonic; no reconcile before (backoff after a failure)
+
+    def due(self) -> bool:
+        """False while backing off after a failed write."""
+        return self.mono() >= self.retry_at
+
+    def freshest(self, node: dict[str, Any], read_at: float) -> dict[str, Any]:
+        """`node` (read at monotonic `read_at`) or, when this reporter has read or written the Node since,
+        that newer copy: planning from the poll's read after our own patch would repeat the patch. A poll that
+        reads a watch cache can hand over, after our patch, a copy from before it: its resourceVersion is one we
+        patched over (compared for equality only: resourceVersions are opaque)."""
+        if self.newest is None:
+            return node
+        rv = (node.get("metadata") or {}).get("resourceVersion")
+        if self.newest[1] >= read_at or (rv is not None and rv in self.superseded):
+            return self.newest[0]
+        return node
 
     def reconcile(
         self,
@@ -225,15 +265,42 @@ class TaintReporter:
     ) -> TaintPlan:
         """Brings gpu-ready's taint to what the verdict asks for and returns the plan applied (empty when
         nothing changed). `node` is the Node this poll already read (saves a GET; re-read on a conflict).
-        Events are recorded, not flushed: the caller flushes with the others. Raises ApiError."""
+        Events are recorded, not flushed: the caller flushes with the others. Raises ApiError (and then
+        backs off: see due()). Mode off only reports (metrics) the taint seen on `node`: a startup taint the
+        agent is not allowed to remove still shows in gpu_ready_taint."""
         if self.settings.mode is TaintMode.OFF:
+            if node is not None:
+                self._observe(taints_of(node))
             return TaintPlan()
+        try:
+            plan = self._reconcile(verdict, latched_fatal, startup_gate_open, node)
+        except ApiError:
+            self.failures += 1
+            delay = min(self.retry_cap_s, 0.5 * 2 ** min(self.failures - 1, 10)) * random.uniform(0.8, 1.2)
+            self.retry_at = self.mono() + min(delay, self.retry_cap_s)
+            raise
+        self.failures, self.retry_at = 0, 0.0
+        return plan
+
+    def _reconcile(
+        self, verdict: Verdict, latched_fatal: bool, startup_gate_open: bool, node: dict[str, Any] | None
+    ) -> TaintPlan:
         if node is None:
-            node = self.api.get_node(self.node)
+            node = self._get()
+        planned_from: list[str] = []
         for attempt in range(self.attempts):
+            rv = (node.get("metadata") or {}).get("resourceVersion")
+            if isinstance(rv, str):
+                planned_from.append(rv)
             current = taints_of(node)
             plan = plan_taints(
-                verdict.status, verdict.reason.value, latched_fatal, current, self.settings, startup_gate_open
+                verdict.status,
+                verdict.reason.value,
+                latched_fatal,
+                current,
+                self.settings,
+                startup_gate_open,
+                self.ctype,
             )
             if not plan:
                 self._observe(current)
@@ -245,13 +312,20 @@ class TaintReporter:
             except ApiError as e:
                 # 422: the `test` op failed (someone changed the taints since we read them); 409: conflict.
                 if e.status in (409, 422) and attempt + 1 < self.attempts:
-                    node = self.api.get_node(self.node)
+                    node = self._get()
                     continue
                 raise
+            self.newest = (node, self.mono())
+            self.superseded = (self.superseded + planned_from)[-8:]
             self._observe(taints_of(node))
             self._record(plan)
             return plan
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _get(self) -> dict[str, Any]:
+        node = self.api.get_node(self.node)
+        self.newest = (node, self.mono())
+        return node
 
     def _observe(self, taints: list[dict[str, Any]]) -> None:
         self.last_taints = taints
