@@ -5,15 +5,20 @@ cheap; every request is counted for the metrics by an optional callback."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import quote
 
-import kubernetes
 import urllib3
-from kubernetes.client import ApiClient, Configuration
+
+from agent import __version__
+from agent.lazy import import_light
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient, Configuration
 
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
@@ -31,6 +36,163 @@ class ApiError(Exception):
         self.body = body or {}
 
 
+class ClientLayer(NamedTuple):
+    """The parts of the official client the agent calls: its Configuration (auth, TLS, proxies), its REST
+    object (urllib3 pool, TLS and proxy setup) and its ApiException. `light`: loaded without the package
+    `__init__`s (agent/lazy.py), i.e. without the generated models, pydantic, yaml, websocket, oauthlib."""
+
+    configuration: type[Configuration]
+    rest_client: Callable[[Configuration], Any]
+    api_exception: type[Exception]
+    light: bool
+
+
+# the modules of the light path, in import order (rest.py imports the two kubernetes.utils modules: loaded
+# first, their package's __init__, which pulls yaml and the dynamic client helpers, stays deferred); a client
+# release that moves one makes the agent use the plain import
+LIGHT_MODULES = {
+    "utils.retry": "kubernetes.utils.retry",
+    "utils.keepalive": "kubernetes.utils.keepalive",
+    "configuration": "kubernetes.client.configuration",
+    "exceptions": "kubernetes.client.exceptions",
+    "rest": "kubernetes.client.rest",
+}
+FULL_CLIENT_ENV = "GPU_READY_FULL_CLIENT"  # "1": always the plain `import kubernetes` (an escape hatch)
+_layer: ClientLayer | None = None
+
+
+def client_layer() -> ClientLayer:
+    """The official client's REST layer, imported once: light when possible, else through the plain import."""
+    global _layer
+    if _layer is None:
+        _layer = _load_client_layer()
+    return _layer
+
+
+def _load_client_layer() -> ClientLayer:
+    if os.environ.get(FULL_CLIENT_ENV, "") not in ("1", "true"):
+        try:
+            mods = {k: import_light(name) for k, name in LIGHT_MODULES.items()}
+            conf, rest, exc = mods["configuration"], mods["rest"], mods["exceptions"]
+            layer = ClientLayer(conf.Configuration, rest.RESTClientObject, exc.ApiException, True)
+            # what kubernetes.config.incluster_config takes from the (deferred) package without its __init__
+            import_light("kubernetes.client").__dict__.setdefault("Configuration", layer.configuration)
+            return layer
+        except (ImportError, AttributeError):
+            pass  # a layout this agent does not know: the plain import below
+    import kubernetes.client as kc
+
+    return ClientLayer(kc.Configuration, lambda cfg: kc.ApiClient(cfg).rest_client, kc.ApiException, False)
+
+
+def load_incluster(cfg: Configuration) -> None:
+    """The in-cluster service account (token file re-read as it rotates) into `cfg`; ConfigException
+    (kubernetes.config.config_exception) when not in a cluster."""
+    if client_layer().light:
+        try:
+            incluster = import_light("kubernetes.config.incluster_config")
+        except ImportError:
+            incluster = None
+        if incluster is not None:
+            incluster.load_incluster_config(client_configuration=cfg)
+            return
+    import kubernetes.config
+
+    kubernetes.config.load_incluster_config(client_configuration=cfg)
+
+
+def config_exception() -> type[Exception]:
+    try:
+        mod = import_light("kubernetes.config.config_exception")
+        exc: type[Exception] = mod.ConfigException
+        return exc
+    except (ImportError, AttributeError):
+        import kubernetes.config
+
+        return kubernetes.config.ConfigException
+
+
+def load_kubeconfig(cfg: Configuration, path: str | None) -> None:
+    """A kubeconfig file into `cfg`: the plain cases (token or client certificate, CA, server) read here with
+    yaml; anything else (exec plugins, auth providers, basic auth, impersonation, proxies) by the official
+    loader, which costs the whole client."""
+    if path and simple_kubeconfig(path, cfg):
+        return
+    import kubernetes.config
+
+    kubernetes.config.load_kube_config(config_file=path, client_configuration=cfg)
+
+
+SIMPLE_USER_KEYS = {"token", "tokenFile", "client-certificate", "client-certificate-data", "client-key"}
+SIMPLE_USER_KEYS |= {"client-key-data"}
+SIMPLE_CLUSTER_KEYS = {"server", "certificate-authority", "certificate-authority-data", "insecure-skip-tls-verify"}
+KUBECONFIG_LIMIT = 4 << 20  # bytes
+
+
+def simple_kubeconfig(path: str, cfg: Configuration) -> bool:
+    """True when the kubeconfig's current context is a plain one and `cfg` now holds it; False (cfg untouched)
+    for anything this reader does not handle, so the caller uses the official loader."""
+    import base64
+    import tempfile
+
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read(KUBECONFIG_LIMIT + 1)
+        if len(text) > KUBECONFIG_LIMIT:
+            return False
+        doc = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        ctx_name = doc["current-context"]
+        ctx = _named(doc.get("contexts"), ctx_name)["context"]
+        cluster = _named(doc.get("clusters"), ctx["cluster"])["cluster"]
+        user = _named(doc.get("users"), ctx["user"])["user"] or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, AttributeError, ValueError):
+        return False
+    if not isinstance(cluster, dict) or not isinstance(user, dict) or not isinstance(cluster.get("server"), str):
+        return False
+    if set(cluster) - SIMPLE_CLUSTER_KEYS or set(user) - SIMPLE_USER_KEYS:
+        return False
+    base = os.path.dirname(os.path.abspath(path))
+
+    def file_of(d: dict[str, Any], key: str) -> str | None:
+        if d.get(f"{key}-data"):
+            fd, name = tempfile.mkstemp(prefix="gpu-ready-kubeconfig-")
+            with os.fdopen(fd, "wb") as out:
+                out.write(base64.standard_b64decode(str(d[f"{key}-data"])))
+            return name
+        if d.get(key):
+            return os.path.join(base, str(d[key]))
+        return None
+
+    token = user.get("token")
+    try:
+        if not token and user.get("tokenFile"):
+            with open(os.path.join(base, str(user["tokenFile"])), encoding="utf-8") as fh:
+                token = fh.read(64 * 1024).strip()
+        ca = file_of(cluster, "certificate-authority")
+        cert, key = file_of(user, "client-certificate"), file_of(user, "client-key")
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    cfg.host = str(cluster["server"]).rstrip("/")
+    if ca:
+        cfg.ssl_ca_cert = ca
+    if cluster.get("insecure-skip-tls-verify") is True:
+        cfg.verify_ssl = False
+    if cert and key:
+        cfg.cert_file, cfg.key_file = cert, key
+    if token:
+        cfg.api_key = {"authorization": f"Bearer {token}"}
+    return True
+
+
+def _named(items: Any, name: Any) -> dict[str, Any]:
+    for it in items or []:
+        if isinstance(it, dict) and it.get("name") == name:
+            return it
+    raise KeyError(name)
+
+
 class KubeApi:
     def __init__(
         self,
@@ -40,7 +202,10 @@ class KubeApi:
     ) -> None:
         configuration.retries = False  # retries are ours (backoff with jitter in the runner)
         self.configuration = configuration
-        self.api = ApiClient(configuration)
+        self.layer = client_layer()
+        self.rest = self.layer.rest_client(configuration)
+        self._api: ApiClient | None = None
+        self.user_agent = f"gpu-ready/{__version__}"
         self.timeout_s = timeout_s
         self.on_request = on_request
         self.on_response_bytes: Callable[[str, int], None] | None = None  # (verb, body bytes) of each answer
@@ -55,14 +220,14 @@ class KubeApi:
         timeout_s: float = 10.0,
         on_request: Callable[[str, int], None] | None = None,
     ) -> KubeApi:
-        cfg = Configuration()
+        cfg = client_layer().configuration()
         if kubeconfig:
-            kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+            load_kubeconfig(cfg, kubeconfig)
         else:
             try:
-                kubernetes.config.load_incluster_config(client_configuration=cfg)
-            except kubernetes.config.ConfigException:
-                kubernetes.config.load_kube_config(client_configuration=cfg)
+                load_incluster(cfg)
+            except config_exception():
+                load_kubeconfig(cfg, os.path.expanduser(os.environ.get("KUBECONFIG", "~/.kube/config")))
         return cls(cfg, timeout_s, on_request)
 
     @classmethod
@@ -74,7 +239,7 @@ class KubeApi:
         timeout_s: float = 10.0,
         on_request: Callable[[str, int], None] | None = None,
     ) -> KubeApi:
-        cfg = Configuration(host=host)
+        cfg = client_layer().configuration(host=host)
         cfg.api_key = {"authorization": f"Bearer {token}"}
         if ca_file:
             cfg.ssl_ca_cert = ca_file
@@ -82,8 +247,34 @@ class KubeApi:
             cfg.verify_ssl = False
         return cls(cfg, timeout_s, on_request)
 
+    @property
+    def api(self) -> ApiClient:
+        """The official ApiClient on the same configuration (the whole client: only for callers that want
+        its serialisation; the agent itself uses `rest`)."""
+        if self._api is None:
+            import kubernetes.client
+
+            self._api = kubernetes.client.ApiClient(self.configuration)
+        return self._api
+
     def close(self) -> None:
-        self.api.close()
+        self.rest.close()
+        if self._api is not None:
+            self._api.close()
+
+    def _url(self, path: str, query: Iterable[tuple[str, str]] | None) -> str:
+        url = self.configuration.host + path
+        q = "&".join(f"{k}={quote(str(v))}" for k, v in query or ())
+        return f"{url}?{q}" if q else url
+
+    def _headers(self, accept: str, content_type: str | None = None) -> dict[str, str]:
+        h = {"Accept": accept, "User-Agent": self.user_agent}
+        if content_type:
+            h["Content-Type"] = content_type
+        auth = self.configuration.auth_settings().get("BearerToken")  # re-reads a rotated token (its hook)
+        if auth and auth.get("value"):
+            h[str(auth["key"])] = str(auth["value"])
+        return h
 
     def request(
         self,
@@ -98,24 +289,17 @@ class KubeApi:
     ) -> dict[str, Any]:
         """One request, the JSON answer as a dict. `verb` names it for the on_request count (default: the
         HTTP method; "LIST" for a collection read, as the apiserver's own metrics name it)."""
-        headers = {"Accept": accept, "Content-Type": content_type}
-        m, url, hdrs, data, _ = self.api.param_serialize(
-            method,
-            path,
-            query_params=list((query or {}).items()),
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-        )
+        url = self._url(path, (query or {}).items())
+        hdrs = self._headers(accept, content_type)
         status = 0
         try:
-            resp = self.api.call_api(m, url, hdrs, data, _request_timeout=timeout_s or self.timeout_s)
+            resp = self.rest.request(method, url, headers=hdrs, body=body, _request_timeout=timeout_s or self.timeout_s)
             resp.read()
             status = resp.status
             raw = resp.data or b"{}"
-        except kubernetes.client.exceptions.ApiException as e:
-            status = e.status or 0
-            raw = (e.body or "").encode() if isinstance(e.body, str) else (e.body or b"")
+        except self.layer.api_exception as e:
+            status, body_ = getattr(e, "status", 0) or 0, getattr(e, "body", None)
+            raw = (body_ or "").encode() if isinstance(body_, str) else (body_ or b"")
         except (urllib3.exceptions.HTTPError, OSError) as e:
             self._count(verb or method, 0)
             raise ApiError(0, f"{method} {path}: {type(e).__name__}: {e}") from e
@@ -166,18 +350,13 @@ class KubeApi:
 
     def stream(self, path: str, query: list[tuple[str, str]], read_timeout_s: float) -> WatchStream:
         """A streaming GET (a watch): the response is not read here; iterate WatchStream.events()."""
-        m, url, hdrs, data, _ = self.api.param_serialize(
-            "GET",
-            path,
-            query_params=query,
-            header_params={"Accept": "application/json"},
-            auth_settings=["BearerToken"],
-        )
+        url, hdrs = self._url(path, query), self._headers("application/json")
         try:
-            resp = self.api.call_api(m, url, hdrs, data, _request_timeout=(self.timeout_s, read_timeout_s))
-        except kubernetes.client.exceptions.ApiException as e:
-            self._count("WATCH", e.status or 0)
-            raise ApiError(e.status or 0, f"WATCH {path}: {e.reason}") from e
+            resp = self.rest.request("GET", url, headers=hdrs, _request_timeout=(self.timeout_s, read_timeout_s))
+        except self.layer.api_exception as e:
+            status = getattr(e, "status", 0) or 0
+            self._count("WATCH", status)
+            raise ApiError(status, f"WATCH {path}: {getattr(e, 'reason', e)}") from e
         except (urllib3.exceptions.HTTPError, OSError) as e:
             self._count("WATCH", 0)
             raise ApiError(0, f"WATCH {path}: {type(e).__name__}: {e}") from e

@@ -343,7 +343,7 @@ class NodeCache:
             else:
                 self.log.warning(
                     "node watch failed; reading the Node with GET resourceVersion=0 until it is back",
-                    state=kind,
+                    watch_state=kind,  # not `state`: that key is the runner's per-request API state
                     error=error[:300],
                 )
             self._problem = kind

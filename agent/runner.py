@@ -409,6 +409,24 @@ def api_from(cfg: Config) -> KubeApi:
         raise ConfigError(f"cannot load {where}: {first}") from None
 
 
+def wait_for_signal(stop: threading.Event) -> None:
+    """Blocks the main thread until a signal handler sets `stop`, without waking up in between: a signal
+    writes a byte to a pipe (signal.set_wakeup_fd) that a blocking read waits on, so one that comes before
+    the read is not lost, and the handler has run before the loop looks at `stop` again."""
+    import os
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    previous = signal.set_wakeup_fd(w)
+    try:
+        while not stop.is_set():
+            os.read(r, 64)
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(r)
+        os.close(w)
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args)
     from agent.logs import setup_logging
@@ -430,8 +448,7 @@ def main(args: argparse.Namespace) -> int:
         agent.start()
     except OSError as e:  # e.g. the metrics port is taken
         raise ConfigError(f"cannot start: {e.strerror or e} (metrics-address {cfg.metrics_address})") from None
-    while not stop.wait(1.0):
-        pass
+    wait_for_signal(stop)
     agent.shutdown()
     agent.log.info("stopped")
     sys.stdout.flush()

@@ -11,11 +11,14 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from testkit.controlplane import ControlPlane
+
+if TYPE_CHECKING:
+    from testkit.harness import AgentProc
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -100,12 +103,16 @@ def condition(node: dict[str, Any], ctype: str) -> dict[str, Any] | None:
 
 
 class ProcSampler:
-    """Samples a process's RSS and CPU time (psutil) every `interval` seconds."""
+    """Samples a process's RSS and CPU time (psutil) every `interval` seconds. `samples` hold the process's
+    own CPU; `children` the CPU of its children that it has waited for (for the agent: every nvidia-smi
+    supervisor and what that reaped, the simulated nvidia-smi included), sampled at the same times."""
 
     def __init__(self, pid: int, interval: float = 1.0) -> None:
         self.proc = psutil.Process(pid)
         self.interval = interval
         self.samples: list[tuple[float, float, float]] = []  # (t, rss bytes, cpu seconds)
+        self.children: list[float] = []  # children's cpu seconds at each sample
+        self._last_children = 0.0
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -115,19 +122,171 @@ class ProcSampler:
 
     def sample(self) -> tuple[float, float, float]:
         ct = self.proc.cpu_times()
+        self._last_children = ct.children_user + ct.children_system
         return time.monotonic(), float(self.proc.memory_info().rss), ct.user + ct.system
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.samples.append(self.sample())
+                s = self.sample()
             except psutil.Error:
                 return
+            self.samples.append(s)
+            self.children.append(self._last_children)
             self._stop.wait(self.interval)
 
     def stop(self) -> None:
         self._stop.set()
         self.thread.join(5)
+
+
+def millicores(cpu_s: float, seconds: float) -> float:
+    return round(cpu_s / max(seconds, 1e-9) * 1000, 3)
+
+
+def window(sampler: ProcSampler, t_from: float, t_to: float | None = None) -> dict[str, float]:
+    """A sampler's figures between two monotonic times: median RSS (MiB), own and children's CPU
+    (millicores) over the samples inside the window."""
+    idx = [i for i, s in enumerate(sampler.samples) if s[0] >= t_from and (t_to is None or s[0] <= t_to)]
+    if len(idx) < 2:
+        raise RuntimeError(f"fewer than 2 samples in the window ({len(sampler.samples)} in all)")
+    a, b = sampler.samples[idx[0]], sampler.samples[idx[-1]]
+    secs = b[0] - a[0]
+    kids = sampler.children[idx[-1]] - sampler.children[idx[0]] if len(sampler.children) > idx[-1] else 0.0
+    return {
+        "seconds": round(secs, 1),
+        "rss_median_mib": round(percentile([sampler.samples[i][1] for i in idx], 50) / 2**20, 1),
+        "cpu_millicores": millicores(b[2] - a[2], secs),
+        "children_cpu_millicores": millicores(kids, secs),
+    }
+
+
+def supervisor_cpu_ms(runs: int = 20) -> float:
+    """The CPU (ms) of one nvidia-smi supervisor (agent/probes/nvidia_smi.py SUPERVISOR: a `python -I -S`
+    process per poll) around a program that does nothing, minus that program's own cost: what each poll
+    adds beyond the agent process and nvidia-smi itself."""
+    import resource
+    import subprocess
+    import sys
+
+    from agent.probes.nvidia_smi import SUPERVISOR
+
+    true = "/bin/true"
+
+    def cost(argv: list[str], status: bool) -> float:
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        for _ in range(runs):
+            rfd, wfd = os.pipe()
+            args = [a.replace("{fd}", str(wfd)) for a in argv]
+            subprocess.run(args, pass_fds=(wfd,) if status else (), stdout=subprocess.DEVNULL, check=False)
+            os.close(rfd)
+            os.close(wfd)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / runs * 1000
+
+    sup = cost([sys.executable, "-I", "-S", "-c", SUPERVISOR, "{fd}", str(os.getpid()), true], True)
+    return round(max(0.0, sup - cost([true], False)), 2)
+
+
+def runtime_python() -> str:
+    """A Python that sees only what the image installs: a virtual environment (made once, no network) whose
+    site-packages links to the dev environment's copies of gpu-ready's runtime dependencies and nothing
+    else. The dev environment also holds the linters and test tools, and one of them (rich, pulled in by
+    import-linter) is imported by structlog when present: +84 modules, +4.8 MiB the image does not have."""
+    import importlib.metadata as md
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+
+    from packaging.requirements import Requirement
+
+    seen: dict[str, md.Distribution] = {}
+    todo = ["gpu-ready"]
+    while todo:
+        d = md.distribution(todo.pop())
+        key = str(d.metadata["Name"]).lower().replace("_", "-")
+        if key in seen:
+            continue
+        seen[key] = d
+        for r in d.requires or []:
+            req = Requirement(r)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    site = Path(sysconfig.get_paths()["purelib"])
+    names: set[str] = set()
+    for d in seen.values():
+        for f in d.files or []:
+            top = f.parts[0]
+            if top not in ("..", "__pycache__") and not top.endswith(".pth"):
+                names.add(top)
+    root = OUT / "runtime-venv"
+    stamp = ",".join(sorted(names)) + sys.version
+    py = root / "bin" / "python"
+    if not ((root / "stamp").exists() and (root / "stamp").read_text() == stamp):
+        shutil.rmtree(root, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+        dest = Path(
+            subprocess.check_output(
+                [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+            ).strip()
+        )
+        for name in sorted(names | {"__pycache__"}):  # __pycache__: the single-file modules' bytecode
+            if name != "agent" and (site / name).exists():
+                (dest / name).symlink_to(site / name)
+        (root / "stamp").write_text(stamp)
+    # gpu-ready itself as the image has it: a copy of the package (not the editable source tree), its bytecode
+    # compiled as docker/install.sh compiles it
+    dest = next(root.glob("lib/python*/site-packages"))
+    shutil.rmtree(dest / "agent", ignore_errors=True)
+    shutil.copytree(OUT.parent.parent / "agent", dest / "agent", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run(
+        [str(py), "-m", "compileall", "-q", "-o", "0", "-o", "2", str(dest / "agent")],
+        env={**env, "PYTHONNODEBUGRANGES": "1"},
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return str(py)
+
+
+AGENT_DEFAULTS = {  # `gpu-ready run` at its default intervals (the harness's are fast, for tests)
+    "--poll-interval": "30",
+    "--heartbeat-interval": "300",
+    "--nvidia-smi-timeout": "30",
+    "--event-interval": "300",
+    "--plugin-grace": "300",
+    "--api-timeout": "10",
+}
+
+
+def launch(
+    cp: ControlPlane,
+    workdir: Path,
+    name_prefix: str,
+    extra: dict[str, str] | None = None,
+    kmsg: str | None = None,
+    python: str | None = None,
+) -> AgentProc:
+    """testkit.harness.launch_agent with the agent run by `python` (default: runtime_python(), what the
+    image installs). Returns the started AgentProc."""
+    import secrets
+
+    from testkit.cluster import AGENT_RULES, create_node, service_account_client
+    from testkit.harness import AgentProc
+    from testkit.simhost import SimHost
+
+    admin = cp.admin()
+    try:
+        host = SimHost(workdir / "host", gpus=8)
+        node = f"{name_prefix}-{secrets.token_hex(3)}"
+        create_node(admin, node, {"nvidia.com/gpu.present": "true"}, host.plugin_resources())
+        _, info = service_account_client(admin, AGENT_RULES, pod_on_node=node)
+    finally:
+        admin.close()
+    agent = AgentProc(cp, host, node, info["token"], extra=extra, workdir=workdir, kmsg=kmsg)
+    agent.args[0] = python or runtime_python()
+    return agent.start()
 
 
 def table(rows: list[tuple[str, str, str, str]]) -> str:

@@ -36,8 +36,11 @@ import math
 import random
 import re
 import secrets
+import ssl
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -91,14 +94,28 @@ Sample = tuple[str, frozenset[tuple[str, str]]]
 
 
 def read_metrics_text(api: KubeApi) -> str:
-    """GET /metrics of the apiserver (Prometheus text) with the client's credentials."""
-    m, url, hdrs, data, _ = api.api.param_serialize("GET", "/metrics", auth_settings=["BearerToken"])
-    resp = api.api.call_api(m, url, hdrs, data, _request_timeout=30)
-    resp.read()
-    if resp.status != 200:
-        raise ApiError(resp.status, "GET /metrics")
-    raw: Any = resp.data
-    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw or "")
+    """GET /metrics of the apiserver (Prometheus text) with the client's credentials, taken from its configuration
+    (bearer token, client certificate, CA) so that it does not depend on the client's request layer."""
+    cfg = api.configuration
+    ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert or None)
+    if not cfg.verify_ssl:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    if cfg.cert_file:
+        ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+    headers = {"Accept": "text/plain"}
+    auth = cfg.auth_settings().get("BearerToken")
+    if auth and auth.get("value"):
+        headers[str(auth["key"])] = str(auth["value"])
+    req = urllib.request.Request(cfg.host + "/metrics", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
+            raw: bytes = r.read()
+    except urllib.error.HTTPError as e:
+        raise ApiError(e.code, "GET /metrics") from e
+    except OSError as e:  # URLError, TLS, refused
+        raise ApiError(0, f"GET /metrics: {e}") from e
+    return raw.decode("utf-8", "replace")
 
 
 def parse_samples(text: str, wanted: Iterable[str] = WANTED) -> dict[Sample, float]:

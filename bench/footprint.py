@@ -1,29 +1,30 @@
 """Footprint: `gpu-ready run` at default intervals (poll 30 s, heartbeat 5 min) on a simulated 8-GPU host
-for N seconds (default 600): peak and steady RSS, average CPU in millicores (psutil)."""
+for N seconds (default 600): peak and steady RSS, average CPU in millicores (psutil).
+
+CPU is counted three ways, so none hides another: the agent process's own CPU; its children's (each poll's
+nvidia-smi supervisor, a small `python -I -S` process, and the simulated nvidia-smi it runs, itself a
+Python script: a real nvidia-smi costs what it costs on any agent); and the agent plus one supervisor per
+poll (`supervisor_cpu_ms_per_poll`, measured around /bin/true), the honest figure for what gpu-ready adds."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ProcSampler, percentile, save
+from bench.common import AGENT_DEFAULTS, ProcSampler, launch, millicores, percentile, save, supervisor_cpu_ms
 from testkit.controlplane import ControlPlane
-from testkit.harness import AgentProc, launch_agent, wait_for
+from testkit.harness import AgentProc, wait_for
 
 
-def start(cp: ControlPlane) -> tuple[AgentProc, Any]:
-    defaults = {
-        "--poll-interval": "30",
-        "--heartbeat-interval": "300",
-        "--nvidia-smi-timeout": "30",
-        "--event-interval": "300",
-        "--plugin-grace": "300",
-        "--api-timeout": "10",
-    }
-    agent, _ = launch_agent(cp, Path(tempfile.mkdtemp(prefix="bench-footprint-")), "bench-footprint", defaults)
+def start(cp: ControlPlane, python: str | None = None) -> tuple[AgentProc, Any]:
+    """python: the interpreter that runs the agent (default: bench.common.runtime_python(), the image's
+    packages only; sys.executable is the dev environment)."""
+    work = Path(tempfile.mkdtemp(prefix="bench-footprint-"))
+    agent = launch(cp, work, "bench-footprint", AGENT_DEFAULTS, python=python)
     sampler = ProcSampler(agent.proc.pid, 1.0).start()  # type: ignore[union-attr]
     return agent, sampler
 
@@ -41,15 +42,24 @@ def finish(agent: AgentProc, sampler: ProcSampler, seconds: float) -> dict[str, 
     t1, _, c1 = s[-1]
     steady = [x for x in s if x[0] - t0 >= 60] or s
     ts, _, cs = steady[0]
+    kids = sampler.children
+    kids_steady = kids[-1] - kids[len(s) - len(steady)] if len(kids) == len(s) else 0.0
     rss = [x[1] for x in s]
+    sup_ms = supervisor_cpu_ms()
+    polls_per_s = (cycles or 0) / max(t1 - t0, 1)
+    own_steady = (c1 - cs) / max(t1 - ts, 1) * 1000
     res = {
+        "python": "dev environment" if agent.args[0] == sys.executable else "runtime packages only (as the image)",
         "seconds": round(t1 - t0),
         "samples": len(s),
         "check_cycles": cycles,
         "rss_peak_mib": round(max(rss) / 2**20, 1),
         "rss_steady_mib": round(percentile([x[1] for x in steady], 50) / 2**20, 1),
         "cpu_avg_millicores": round((c1 - c0) / (t1 - t0) * 1000, 2),
-        "cpu_steady_millicores": round((c1 - cs) / max(t1 - ts, 1) * 1000, 2),
+        "cpu_steady_millicores": round(own_steady, 3),
+        "cpu_children_steady_millicores": millicores(kids_steady, t1 - ts),
+        "supervisor_cpu_ms_per_poll": sup_ms,
+        "cpu_steady_with_supervisor_millicores": round(own_steady + sup_ms * polls_per_s, 3),
     }
     save("footprint", res)
     return res
@@ -58,9 +68,10 @@ def finish(agent: AgentProc, sampler: ProcSampler, seconds: float) -> dict[str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seconds", type=float, default=600)
+    ap.add_argument("--dev-python", action="store_true", help="run the agent with the dev environment's Python")
     a = ap.parse_args()
     with ControlPlane() as cp:
-        agent, sampler = start(cp)
+        agent, sampler = start(cp, sys.executable if a.dev_python else None)
         print(finish(agent, sampler, a.seconds))
 
 

@@ -2,7 +2,12 @@
 cannot read anything else) and report to the same apiserver and Node. NPD gets a kernel-monitor rule that
 turns Xid 79 into a permanent condition. For each repetition an Xid 79 record is written to /dev/kmsg and
 both detection times are taken from one watch on the Node. NPD is restarted per repetition because its
-permanent condition never clears otherwise (its restart resets it). Needs root and a writable /dev/kmsg."""
+permanent condition never clears otherwise (its restart resets it). Needs root and a writable /dev/kmsg.
+
+Then the steady state side by side: NPD started once more, and after a warm-up both processes are sampled
+over the same window (`--steady-seconds`) for RSS and CPU. gpu-ready runs at its default intervals (poll
+30 s) with the image's packages only (bench.common.runtime_python); its CPU is given as the process's own and
+with one nvidia-smi supervisor per poll added (see bench/footprint.py); NPD runs no child process."""
 
 from __future__ import annotations
 
@@ -19,9 +24,19 @@ from typing import Any
 
 from agent.probes.kmsg import KmsgSource
 from agent.xid import KernelLogParser
-from bench.common import NodeWatch, ProcSampler, condition, percentile, save, summary_ms
+from bench.common import (
+    AGENT_DEFAULTS,
+    NodeWatch,
+    ProcSampler,
+    condition,
+    launch,
+    percentile,
+    save,
+    summary_ms,
+    supervisor_cpu_ms,
+    window,
+)
 from testkit.controlplane import REPO, ControlPlane, free_port, terminate_group
-from testkit.harness import launch_agent
 
 NPD_CONDITION = "GPUFallenOffBus"
 
@@ -68,12 +83,12 @@ def addresses_in_ring_buffer() -> set[int]:
     return buses
 
 
-def run(cp: ControlPlane, reps: int = 10) -> dict[str, Any]:
+def run(cp: ControlPlane, reps: int = 10, steady_s: float = 120.0, warmup_s: float = 15.0) -> dict[str, Any]:
     if os.geteuid() != 0 or not os.access("/dev/kmsg", os.W_OK):
         return {"skipped": "needs root and a writable /dev/kmsg (both agents read the real kernel log)"}
     npd = npd_binary()
     work = Path(tempfile.mkdtemp(prefix="bench-npd-"))
-    agent, _ = launch_agent(cp, work, "bench-npd", {"--kmsg-trust-user": "true"}, kmsg="/dev/kmsg")
+    agent = launch(cp, work, "bench-npd", {**AGENT_DEFAULTS, "--kmsg-trust-user": "true"}, kmsg="/dev/kmsg")
     node = agent.node
     kc = cp.kubeconfig(work / "npd.kubeconfig")
     cfg = npd_config(work / "gpu-xid-monitor.json")
@@ -97,28 +112,34 @@ def run(cp: ControlPlane, reps: int = 10) -> dict[str, Any]:
     watch = NodeWatch(cp, node, on_event).start()
     gpu_lat, npd_lat, npd_rss, agent_rss = [], [], [], []
     agent_sampler = ProcSampler(agent.proc.pid, 0.5).start()  # type: ignore[union-attr]
+    steady: dict[str, Any] = {}
+
+    def start_npd() -> tuple[subprocess.Popen[bytes], Any]:
+        log = open(work / "npd.log", "ab")  # noqa: SIM115
+        p = subprocess.Popen(
+            [
+                npd,
+                f"--config.system-log-monitor={cfg}",
+                f"--hostname-override={node}",
+                f"--apiserver-override={cp.host}?inClusterConfig=false&auth={kc}",
+                "--address=127.0.0.1",
+                f"--port={free_port()}",
+                "--prometheus-address=127.0.0.1",
+                f"--prometheus-port={free_port()}",
+                "--k8s-exporter-heartbeat-period=5m",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return p, log
+
     used = addresses_in_ring_buffer()  # a GPU already latched from an earlier record would not change anything
     try:
         with cv:
             cv.wait_for(lambda: seen.get("gpu") is not None and seen.get("gpu") != "", 60)
         for _ in range(reps):
-            log = open(work / "npd.log", "ab")  # noqa: SIM115
-            p = subprocess.Popen(
-                [
-                    npd,
-                    f"--config.system-log-monitor={cfg}",
-                    f"--hostname-override={node}",
-                    f"--apiserver-override={cp.host}?inClusterConfig=false&auth={kc}",
-                    "--address=127.0.0.1",
-                    f"--port={free_port()}",
-                    "--prometheus-address=127.0.0.1",
-                    f"--prometheus-port={free_port()}",
-                    "--k8s-exporter-heartbeat-period=5m",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            p, log = start_npd()
             sampler = ProcSampler(p.pid, 0.25).start()
             with cv:
                 if not cv.wait_for(lambda: seen.get("npd") == "False", 60):
@@ -152,13 +173,15 @@ def run(cp: ControlPlane, reps: int = 10) -> dict[str, Any]:
             with cv:
                 seen["want"] = None
                 cv.wait_for(lambda: seen.get("npd") != "True", 2)  # NPD restart resets; not waited for
+        if steady_s > 0:
+            steady = steady_side_by_side(start_npd, agent_sampler, seen, cv, steady_s, warmup_s)
     finally:
         agent_sampler.stop()
         agent_rss = [s[1] for s in agent_sampler.samples]
         watch.stop()
         agent.terminate()
     g, n = summary_ms(gpu_lat), summary_ms(npd_lat)
-    res = {
+    res: dict[str, Any] = {
         "repetitions": reps,
         "gpu_ready": g,
         "npd": n,
@@ -171,16 +194,58 @@ def run(cp: ControlPlane, reps: int = 10) -> dict[str, Any]:
         "npd_rss_mib": {"median": round(percentile(npd_rss, 50) / 2**20, 1), "peak": round(max(npd_rss) / 2**20, 1)},
     }
     res["rss_ratio_gpu_ready_over_npd"] = round(res["gpu_ready_rss_mib"]["median"] / res["npd_rss_mib"]["median"], 2)
+    if steady:
+        res["steady"] = steady
     save("npd_compare", res)
     return res
+
+
+def steady_side_by_side(
+    start_npd: Any,
+    agent_sampler: ProcSampler,
+    seen: dict[str, Any],
+    cv: threading.Condition,
+    secs: float,
+    warmup: float,
+) -> dict[str, Any]:
+    """Both agents idle on the same node for `secs` after `warmup`: RSS medians and CPU over one window."""
+    p, log = start_npd()
+    sampler = ProcSampler(p.pid, 1.0).start()
+    try:
+        with cv:
+            if not cv.wait_for(lambda: seen.get("npd") == "False", 60):
+                raise RuntimeError("NPD never initialised its condition (steady phase)")
+        t_from = time.monotonic() + warmup
+        end = t_from + secs
+        while time.monotonic() < end + 1.5:  # the measurement window itself (samples every second)
+            time.sleep(0.5)
+        sampler.stop()
+        g, n = window(agent_sampler, t_from, end + 1.5), window(sampler, t_from, end + 1.5)
+    finally:
+        sampler.stop()
+        terminate_group(p)
+        log.close()
+    sup_ms = supervisor_cpu_ms()
+    poll_s = float(AGENT_DEFAULTS["--poll-interval"])
+    g_total = round(g["cpu_millicores"] + sup_ms / poll_s, 3)
+    return {
+        "window_s": g["seconds"],
+        "warmup_s": warmup,
+        "gpu_ready": {**g, "supervisor_cpu_ms_per_poll": sup_ms, "cpu_with_supervisor_millicores": g_total},
+        "npd": n,
+        "rss_ratio_gpu_ready_over_npd": round(g["rss_median_mib"] / n["rss_median_mib"], 2),
+        "cpu_ratio_gpu_ready_over_npd": round(g["cpu_millicores"] / max(n["cpu_millicores"], 1e-9), 2),
+        "cpu_ratio_with_supervisor": round(g_total / max(n["cpu_millicores"], 1e-9), 2),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--steady-seconds", type=float, default=120.0, help="side-by-side idle window (0: none)")
     a = ap.parse_args()
     with ControlPlane() as cp:
-        r = run(cp, a.reps)
+        r = run(cp, a.reps, a.steady_seconds)
     print(json.dumps(r, indent=2))
 
 

@@ -21,6 +21,7 @@ def main() -> None:
     ap.add_argument("--footprint-seconds", type=float, default=600)
     ap.add_argument("--latency-reps", type=int, default=100)
     ap.add_argument("--npd-reps", type=int, default=10)
+    ap.add_argument("--npd-steady-seconds", type=float, default=120, help="both agents idle side by side")
     ap.add_argument("--fleet-nodes", type=int, default=200)
     a = ap.parse_args()
     t0 = time.monotonic()
@@ -33,7 +34,7 @@ def main() -> None:
         print("[bench] API write rate ...", flush=True)
         wr = write_rate.run(cp)
         print("[bench] node-problem-detector side by side ...", flush=True)
-        npd = npd_compare.run(cp, a.npd_reps)
+        npd = npd_compare.run(cp, a.npd_reps, a.npd_steady_seconds)
         print("[bench] fleet: API cost per node beside kubelet's (its own control plane) ...", flush=True)
         with ControlPlane() as fleet_cp:  # alone on its apiserver: the footprint agent would blur its counts
             fl = fleet.run(fleet_cp, nodes=a.fleet_nodes)
@@ -42,6 +43,7 @@ def main() -> None:
     print()
     print(f"Machine: {machine()}; total {time.monotonic() - t0:.0f} s")
     print(summary({"latency": lat, "storm": st, "write_rate": wr, "npd_compare": npd, "footprint": fp, "fleet": fl}))
+    print(ratios(npd))
     print("\nFleet:\n" + fleet.report(fl))
     print("\nDetails:", json.dumps({"write_rate": wr, "npd": npd}, indent=1))
     print(f"JSON results in {OUT}/")
@@ -91,7 +93,8 @@ def summary(r: dict[str, Any]) -> str:
         ),
         (
             "API writes, steady state",
-            f"{wr['steady']['default_writes_per_hour']} condition writes/node/h + 120 Node GETs/h",
+            f"{wr['steady']['default_writes_per_hour']} condition writes/node/h + "
+            f"{wr['steady']['default_node_gets_per_hour']} Node GETs/h",
             "-",
             "-",
         ),
@@ -114,16 +117,63 @@ def summary(r: dict[str, Any]) -> str:
                 "-",
             ),
             (
-                "vs node-problem-detector: RSS",
+                "vs node-problem-detector: RSS during the detection runs",
                 f"gpu-ready {npd['gpu_ready_rss_mib']['median']} MiB, NPD "
                 f"{npd['npd_rss_mib']['median']} MiB ({npd['rss_ratio_gpu_ready_over_npd']}x)",
                 "-",
                 "-",
             ),
         ]
+        rows += steady_rows(npd)
     if r.get("fleet"):
         rows += fleet_rows(r["fleet"])
     return table(rows)
+
+
+def steady_rows(npd: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """Both agents idle side by side (bench/npd_compare.py steady phase): RSS and CPU against NPD's."""
+    st = npd.get("steady")
+    if not st:
+        return []
+    ok = lambda b: "ok" if b else "MISSED"  # noqa: E731
+    g, n = st["gpu_ready"], st["npd"]
+    return [
+        (
+            f"vs node-problem-detector: steady RSS ({st['window_s']:.0f} s side by side)",
+            f"gpu-ready {g['rss_median_mib']} MiB, NPD {n['rss_median_mib']} MiB "
+            f"({st['rss_ratio_gpu_ready_over_npd']}x)",
+            "<= 1.3x NPD",
+            ok(st["rss_ratio_gpu_ready_over_npd"] <= 1.3),
+        ),
+        (
+            "vs node-problem-detector: steady CPU, agent process",
+            f"gpu-ready {g['cpu_millicores']} mc, NPD {n['cpu_millicores']} mc ({st['cpu_ratio_gpu_ready_over_npd']}x)",
+            "below NPD, <= 0.3 mc",
+            ok(g["cpu_millicores"] < n["cpu_millicores"] and g["cpu_millicores"] <= 0.3),
+        ),
+        (
+            "vs node-problem-detector: steady CPU with the nvidia-smi supervisor",
+            f"gpu-ready {g['cpu_with_supervisor_millicores']} mc ({g['supervisor_cpu_ms_per_poll']} ms per poll), "
+            f"NPD {n['cpu_millicores']} mc ({st['cpu_ratio_with_supervisor']}x)",
+            "below NPD, <= 0.3 mc",
+            ok(
+                g["cpu_with_supervisor_millicores"] < n["cpu_millicores"] and g["cpu_with_supervisor_millicores"] <= 0.3
+            ),
+        ),
+    ]
+
+
+def ratios(npd: dict[str, Any]) -> str:
+    """One line: gpu-ready over NPD, side by side in the same run."""
+    st = npd.get("steady")
+    if not st:
+        return "Ratios vs node-problem-detector: " + str(npd.get("skipped", "no steady side-by-side phase"))
+    return (
+        f"Ratios vs node-problem-detector (same run, {st['window_s']:.0f} s side by side): "
+        f"RSS {st['rss_ratio_gpu_ready_over_npd']}x, CPU {st['cpu_ratio_gpu_ready_over_npd']}x "
+        f"({st['cpu_ratio_with_supervisor']}x with the nvidia-smi supervisor), detection p50 NPD/gpu-ready "
+        f"{npd['latency_ratio_p50_npd_over_gpu_ready']}x"
+    )
 
 
 def fleet_rows(f: dict[str, Any]) -> list[tuple[str, str, str, str]]:

@@ -47,7 +47,8 @@ def run(cp: ControlPlane, seconds: float = 65) -> dict[str, Any]:
         "default_node_gets_per_hour": round(gets / seconds * poll * 3600 / 30),
         "arithmetic": f"{writes:.0f} writes / {seconds // hb:.0f} heartbeats in {seconds:.0f} s = "
         f"{per_hb:.2f} per heartbeat; "
-        f"x 3600/300 heartbeats per hour = {per_hb * 12:.1f}; Node GETs: one per 30 s poll = 120/h",
+        f"x 3600/300 heartbeats per hour = {per_hb * 12:.1f}; Node GETs: {gets:.0f} in {seconds / poll:.0f} polls "
+        f"(the Node is read from one watch)",
     }
     # (b) a GPU flapping on every poll (recovery-polls 2, the default)
     b, host = _agent(cp, {"--poll-interval": str(poll), "--heartbeat-interval": "300", "--recovery-polls": "2"})

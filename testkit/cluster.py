@@ -171,15 +171,16 @@ def service_account_client(
 # grants that (Events only in one namespace: AGENT_CLUSTER_RULES + AGENT_EVENT_RULES below); kept for the
 # harness until it runs the agent with GPU_READY_EVENT_NAMESPACE and the namespaced Role.
 AGENT_RULES: list[dict[str, Any]] = [
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "watch"]},
     {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
     {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
 ]
 
 # The chart's RBAC exactly (tests/test_security.py asserts these equal the rendered templates):
-# ClusterRole rules of the agent (taints off; with taints.enabled "patch" is added on nodes) ...
+# ClusterRole rules of the agent (taints off; with taints.enabled "patch" is added on nodes; "watch" is dropped
+# with config.nodeWatch=false) ...
 AGENT_CLUSTER_RULES: list[dict[str, Any]] = [
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "watch"]},
     {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
 ]
 # ... and its Role in the Events namespace (events.namespace, "default": the only namespaces besides kube-system

@@ -26,6 +26,7 @@ FAST = {
     "--plugin-grace": "0",
     "--event-interval": "300",
     "--api-timeout": "5",
+    "--start-spread": "0",  # a real fleet spreads its first writes; a test must not wait for that
 }
 
 

@@ -190,6 +190,11 @@ def apply(sub: str, node: str, body: dict[str, Any]) -> Req:
     return Req("PATCH", "/api/v1/nodes/{A}" + sub, json.dumps(obj), APPLY, {"fieldManager": "attempt", "force": "true"})
 
 
+def watch_nodes(selector: str) -> Req:
+    """A Node watch as the agent opens it (from the apiserver's cache, ended by the server after a second)."""
+    return Req("GET", f"/api/v1/nodes?watch=1&resourceVersion=0&timeoutSeconds=1{selector}")
+
+
 def on_b(req: Req) -> Req:
     req.path = req.path.replace("{A}", "{B}")
     return req
@@ -494,6 +499,14 @@ ATTEMPTS: list[Attempt] = [
     # ---- the agent: everything else ----------------------------------------------------------------------------
     Attempt(AG, "read node A", lambda e: Req("GET", "/api/v1/nodes/{A}"), 200),
     Attempt(AG, "read node B (RBAC cannot limit reads to one node)", lambda e: Req("GET", "/api/v1/nodes/{B}"), 200),
+    Attempt(AG, "watch node A (the own-Node cache)", lambda e: watch_nodes(f"&fieldSelector=metadata.name={e.a}"), 200),
+    Attempt(
+        AG,
+        "watch node B (RBAC cannot limit watch to one node)",
+        lambda e: watch_nodes(f"&fieldSelector=metadata.name={e.b}"),
+        200,
+    ),
+    Attempt(AG, "watch every node (RBAC cannot require a field selector)", lambda e: watch_nodes(""), 200),
     Attempt(AG, "list nodes", lambda e: Req("GET", "/api/v1/nodes"), 403),
     Attempt(
         AG, "label the Node object", lambda e: strategic("", {"metadata": {"labels": {"preflight": "passed"}}}), 403
@@ -1097,7 +1110,7 @@ def test_chart_rbac_is_the_testkit_rbac_and_events_are_namespaced():
         assert b["metadata"]["namespace"] == EVENT_NAMESPACE and b["subjects"][0]["namespace"] == "gpu-ready"
     assert not any("events" in r["resources"] for cr in cluster_roles.values() for r in cr["rules"])
     tainted = by_kind(render(["--set", "taints.enabled=true"]), "ClusterRole")["gpu-ready"]["rules"]
-    assert tainted[0] == {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}
+    assert tainted[0] == {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "watch", "patch"]}
     ks = render(["--set", "events.namespace=kube-system"])
     assert by_kind(ks, "Role")["gpu-ready-events"]["metadata"]["namespace"] == "kube-system"
     env = {
