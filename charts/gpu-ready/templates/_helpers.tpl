@@ -105,6 +105,9 @@ env:
   - name: NVIDIA_VISIBLE_DEVICES   # no GPU for the steps that hold the token
     value: void
   {{- end }}
+  {{- with $v.agent.extraEnv }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
 securityContext:
   allowPrivilegeEscalation: false
   readOnlyRootFilesystem: true

@@ -1,0 +1,574 @@
+"""The chart's DaemonSet on a real node: kubelet + containerd on this machine (testkit/node.py), the project's image
+built from docker/Dockerfile (tools/node-image), the agent pointed at a simulated GPU host through the chart's
+values, each step through `helm install` / `helm upgrade` as a user runs them.
+
+Network rule: the agent pod runs with hostNetwork and reaches the apiserver on 127.0.0.1 (explicit
+KUBERNETES_SERVICE_HOST/PORT); kubelet probes it on 127.0.0.1; nothing talks to an address off loopback.
+
+The tests share one node and one release and build on each other in file order (install -> real Xid -> upgrade
+during the latched fault -> SIGSTOP -> pod deleted -> token policy), then measure the securityContext
+alternatives on a fresh release. Run them alone with `make e2e`."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from agent.kube import ApiError, KubeApi
+from testkit.cluster import condition, create_node
+from testkit.controlplane import REPO
+from testkit.controlplane import testbin_dir as find_testbin
+from testkit.harness import wait_for
+from testkit.node import (
+    NODE_CONTROLLERS,
+    NodeControlPlane,
+    NodeImages,
+    RealNode,
+    build_containerd,
+    build_images,
+    kubelet_binary,
+    missing_tools,
+)
+from testkit.simhost import SimHost
+
+pytestmark = [pytest.mark.node, pytest.mark.slow]
+
+IN_CI = os.environ.get("CI") == "true"
+CHART = Path(os.environ.get("GPU_READY_TEST_CHART") or REPO / "charts" / "gpu-ready")  # another chart dir
+NODE = "gpu-node-real"
+NS = "gpu-ready"
+RELEASE = "gpu-ready"
+COND = "GPUReady"
+TIMES: dict[str, float] = {}  # figures measured here, printed at the end of the module
+
+
+def _skip_or_fail(msg: str) -> None:
+    if IN_CI:
+        pytest.fail(msg + " -- under CI=true a missing prerequisite fails the run", pytrace=False)
+    pytest.skip(msg)
+
+
+@dataclass
+class Env:
+    cp: NodeControlPlane
+    node: RealNode
+    images: NodeImages
+    helm: Path
+    kubeconfig: Path
+    workdir: Path
+    api: KubeApi
+    sim: SimHost | None = None
+    state_dir: Path | None = None
+    metrics_port: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def helm_run(self, *args: str, timeout: float = 420.0) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.helm), *args, "--kubeconfig", str(self.kubeconfig)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        assert r.returncode == 0, f"helm {' '.join(args[:2])} failed:\n{r.stdout}\n{r.stderr}\n{self.diag()}"
+        return r
+
+    def diag(self) -> str:
+        return (
+            f"--- kubelet ---\n{self.node.log_tail('kubelet', 40)}\n"
+            f"--- containerd ---\n{self.node.log_tail('containerd', 20)}\n"
+            f"--- agent pod log ---\n{self.agent_log()[-3000:]}"
+        )
+
+    def pods(self, label: str = "app.kubernetes.io/name=gpu-ready") -> list[dict[str, Any]]:
+        items = self.api.request("GET", f"/api/v1/namespaces/{NS}/pods", query={"labelSelector": label})["items"]
+        return [p for p in items if p["metadata"].get("labels", {}).get("app.kubernetes.io/component") != "preflight"]
+
+    def agent_pod(self) -> dict[str, Any] | None:
+        live = [p for p in self.pods() if not p["metadata"].get("deletionTimestamp")]
+        return live[0] if len(live) == 1 else None
+
+    def agent_log(self) -> str:
+        return "\n".join(self.node.pod_log(NS, p["metadata"]["name"], "gpu-ready") for p in self.pods())
+
+    def gpu_ready(self) -> dict[str, Any] | None:
+        return condition(self.api.request("GET", f"/api/v1/nodes/{NODE}"), COND)
+
+    def values(self, **over: Any) -> Path:
+        """The values a user with this node would write: the image, and the simulated GPU host mounted and
+        configured as they would add a host directory of their own; everything else the chart's defaults."""
+        assert self.sim is not None and self.state_dir is not None
+        repo, tag = self.images.agent.rsplit(":", 1)
+        v: dict[str, Any] = {
+            "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
+            "hostNetwork": True,
+            "metrics": {"port": self.metrics_port},
+            "stateDir": str(self.state_dir),
+            "config": {
+                "nvidiaSmi": str(self.sim.nvidia_smi),
+                "sysfsRoot": str(self.sim.sysfs),
+                "devRoot": str(self.sim.dev),
+                "procRoot": str(self.sim.proc),
+            },
+            "extraVolumes": [{"name": "simhost", "hostPath": {"path": str(self.sim.root), "type": "Directory"}}],
+            "extraVolumeMounts": [{"name": "simhost", "mountPath": str(self.sim.root)}],
+            "agent": {
+                "extraEnv": [
+                    {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                    {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.cp.port)},
+                ]
+            },
+        }
+        for key, val in over.items():  # "config.pollInterval" = 20
+            d = v
+            *head, last = key.split(".")
+            for h in head:
+                d = d.setdefault(h, {})
+            d[last] = val
+        path = self.workdir / f"values-{time.monotonic_ns()}.yaml"
+        path.write_text(yaml.safe_dump(v))
+        return path
+
+
+def make_sim(root: Path) -> SimHost:
+    """A simulated 8-GPU host with random bus ids (the real /dev/kmsg may hold records of earlier runs), its
+    nvidia-smi stand-in run by the image's Python."""
+    sim = SimHost(root, buses=tuple(sorted(random.sample(range(0x10, 0xF0), 8))))
+    sim.make_dev_nodes()
+    text = sim.nvidia_smi.read_text()
+    sim.nvidia_smi.write_text("#!/opt/gpu-ready/bin/python3\n" + text.split("\n", 1)[1])
+    return sim
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    if os.geteuid() != 0:
+        _skip_or_fail("the real node needs root (kubelet, containerd, cgroups, mounts)")
+    missing = missing_tools()
+    if missing:
+        _skip_or_fail(f"Debian packages missing for the real node: {' '.join(missing)} (.ci/run installs them)")
+    bd = find_testbin()
+    kubelet = kubelet_binary()
+    if bd is None or not (bd / "kube-apiserver").exists() or kubelet is None or not kubelet.exists():
+        _skip_or_fail(f"kube-apiserver/kubelet not built (looked in {bd}); run tools/k8s-testbin/build.sh")
+    assert bd is not None and kubelet is not None
+    t0 = time.monotonic()
+    containerd_bin = build_containerd()
+    images = build_images()
+    TIMES["builds (containerd + images; cached when warm) s"] = time.monotonic() - t0
+    work = tmp_path_factory.mktemp("realnode")
+    t1 = time.monotonic()
+    cp = NodeControlPlane(NODE, bd)
+    node: RealNode | None = None
+    api: KubeApi | None = None
+    e: Env | None = None
+    try:
+        cp.start()
+        cp.start_controller_manager(NODE_CONTROLLERS)
+        cp.start_scheduler()
+        node = RealNode(
+            cp, kubelet, containerd_bin, labels={"nvidia.com/gpu.present": "true"}, pause_image=images.pause
+        )
+        node.start()
+        node.wait_schedulable()
+        t2 = time.monotonic()
+        node.load_image(images.pause_tar, images.pause)
+        node.load_image(images.agent_tar, images.agent)
+        TIMES["image import into containerd s"] = time.monotonic() - t2
+        api = cp.admin()
+        api.request(
+            "POST",
+            "/apis/node.k8s.io/v1/runtimeclasses",
+            {
+                "apiVersion": "node.k8s.io/v1",
+                "kind": "RuntimeClass",
+                "metadata": {"name": "nvidia"},
+                "handler": "nvidia",
+            },
+        )
+        TIMES["node set-up (control plane + containerd + kubelet + images) s"] = time.monotonic() - t1
+        e = Env(cp, node, images, bd / "helm", cp.kubeconfig(work / "admin.kubeconfig"), work, api)
+        e.extra["image_mb"] = images.agent_tar.stat().st_size / 1e6
+        yield e
+    finally:
+        if api is not None:
+            api.close()
+        for d in e.extra.get("cleanup", []) if e is not None else []:
+            shutil.rmtree(d, ignore_errors=True)
+        if node is not None:
+            undone = node.stop()
+            left = node.leftovers()
+            node.cleanup_workdir()
+            print(f"\n[real node] restored: {', '.join(undone) or 'nothing'}")
+            print("[real node] figures: " + "; ".join(f"{k}: {v:.1f}" for k, v in TIMES.items()))
+            assert not left, f"host changes left after stop: {left}"
+        cp.stop()
+
+
+def _advertise_gpus(env: Env, n: int) -> None:
+    """Stands in for the NVIDIA device plugin: the extended resource on the Node's status (kubelet keeps
+    extended resources it did not set)."""
+    gpus = {"nvidia.com/gpu": str(n)}
+    env.api.patch_node_status(NODE, {"status": {"capacity": gpus, "allocatable": gpus}})
+
+
+def _clear_condition(env: Env) -> None:
+    """Removes GPUReady from the Node (strategic merge: conditions merge on `type`), so that the next one read
+    is the new pod's."""
+    env.api.patch_node_status(NODE, {"status": {"conditions": [{"type": COND, "$patch": "delete"}]}})
+    assert env.gpu_ready() is None
+
+
+def _wait_pod_ready(env: Env, timeout: float = 240.0, not_uid: str | None = None) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        p = env.agent_pod()
+        if p is None or p["metadata"]["uid"] == not_uid:
+            return None
+        conds = {c["type"]: c["status"] for c in p.get("status", {}).get("conditions", [])}
+        return p if conds.get("Ready") == "True" else None
+
+    try:
+        return wait_for(ready, timeout, 0.25, "agent pod Ready")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{env.diag()}") from None
+
+
+class Sampler:
+    """Reads the node's GPUReady condition continuously (every ~100 ms) in a thread."""
+
+    def __init__(self, env: Env) -> None:
+        self.api = env.cp.admin()
+        self.seen: list[tuple[float, str, str]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                c = condition(self.api.request("GET", f"/api/v1/nodes/{NODE}"), COND)
+                if c is not None:
+                    self.seen.append((time.monotonic(), c["status"], c.get("reason", "")))
+            except ApiError:
+                pass
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> Sampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(10)
+        self.api.close()
+
+    def statuses(self) -> set[str]:
+        return {s for _, s, _ in self.seen}
+
+
+def test_default_install_rolls_out_and_reports_true(env: Env, tmp_path_factory: pytest.TempPathFactory) -> None:
+    from testkit.controlplane import free_port
+
+    base = tmp_path_factory.mktemp("host")
+    env.sim = make_sim(base / "sim")
+    env.state_dir = base / "state"
+    env.metrics_port = free_port()
+    _advertise_gpus(env, len(env.sim.gpus))
+    t0 = time.monotonic()
+    env.helm_run("install", RELEASE, str(CHART), "-n", NS, "--create-namespace", "-f", str(env.values()), "--wait")
+    TIMES["helm install --wait (DaemonSet rolled out) s"] = time.monotonic() - t0
+    pod = _wait_pod_ready(env)
+    c = wait_for(env.gpu_ready, 120, 0.1, "first GPUReady")
+    TIMES["helm install -> first GPUReady s"] = time.monotonic() - t0
+    assert c["status"] == "True", f"{c}\n{env.diag()}"
+    # The defaults really are the defaults: privileged (the only securityContext that can read /dev/kmsg),
+    # read-only root filesystem, seccomp RuntimeDefault on the pod, the probes on loopback.
+    spec = pod["spec"]
+    sc = spec["containers"][0]["securityContext"]
+    assert sc["privileged"] is True and sc["readOnlyRootFilesystem"] is True and sc["runAsUser"] == 0
+    assert spec["hostNetwork"] is True and spec["runtimeClassName"] == "nvidia"
+    assert spec["containers"][0]["livenessProbe"]["httpGet"]["host"] == "127.0.0.1"
+    assert env.sim.smi_call_count() > 0, "the agent ran the simulated host's nvidia-smi"
+    assert "cannot open kernel log" not in c["message"], c["message"]
+    took = TIMES["helm install -> first GPUReady s"]
+    print(f"\n[real node] image {env.extra['image_mb']:.0f} MB; helm install -> GPUReady=True in {took:.1f} s")
+
+
+def _xid_label(env: Env, gpu: int, xid: int = 79) -> str:
+    assert env.sim is not None
+    return f"GPU {gpu} ({env.sim.gpus[gpu].address.nvml}): Xid {xid}"
+
+
+def test_real_kmsg_xid_turns_condition_false(env: Env) -> None:
+    """A record written to the real /dev/kmsg reaches the agent inside the pod. Records written from user space
+    carry the user facility; kmsgTrustUser (tests only) lets the agent count them."""
+    assert env.sim is not None
+    old = _wait_pod_ready(env)["metadata"]["uid"]
+    env.helm_run(
+        "upgrade", RELEASE, str(CHART), "-n", NS, "-f", str(env.values(**{"config.kmsgTrustUser": True})), "--wait"
+    )
+    _wait_pod_ready(env, not_uid=old)
+    label = _xid_label(env, 6)
+    assert label not in wait_for(env.gpu_ready, 60, 0.2, "GPUReady")["message"]
+    t0 = time.monotonic()
+    with open("/dev/kmsg", "w") as fh:
+        fh.write(f"<3>{env.sim.xid_line(79, 6)}\n")
+    try:
+        c = wait_for(lambda: (c := env.gpu_ready()) and label in c["message"] and c, 30, 0.05, label)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{env.diag()}") from None
+    TIMES["real /dev/kmsg Xid -> GPUReady=False s"] = time.monotonic() - t0
+    assert (c["status"], c["reason"]) == ("False", "FatalXid"), c
+    took = TIMES["real /dev/kmsg Xid -> GPUReady=False s"]
+    print(f"\n[real node] real /dev/kmsg Xid -> False inside the pod in {took * 1000:.0f} ms")
+
+
+def test_upgrade_during_latched_fault_never_reads_true_or_unknown(env: Env) -> None:
+    label = _xid_label(env, 6)
+    assert label in env.gpu_ready()["message"]
+    old = _wait_pod_ready(env)["metadata"]["uid"]
+    with Sampler(env) as s:
+        env.helm_run(
+            "upgrade", RELEASE, str(CHART), "-n", NS, "--wait",
+            "-f", str(env.values(**{"config.kmsgTrustUser": True, "config.pollInterval": 20})),
+        )  # fmt: skip
+        new = _wait_pod_ready(env, not_uid=old)
+        started = time.monotonic()
+        # The new pod has published: its heartbeat is newer than its start.
+        wait_for(lambda: len([x for x in s.seen if x[0] > started]) > 20, 60, 0.1, "samples after the new pod")
+    assert new["metadata"]["uid"] != old
+    assert s.statuses() == {"False"}, f"condition read {s.statuses()} while pods rolled: {s.seen[:5]}...{s.seen[-5:]}"
+    c = env.gpu_ready()
+    assert label in c["message"] and c["reason"] == "FatalXid", "the latch survives the new pod (hostPath state)"
+    assert any(env.state_dir.iterdir()), "latched state is on the hostPath"  # type: ignore[union-attr]
+
+
+def test_sigstop_agent_liveness_probe_restarts_it(env: Env) -> None:
+    pod = _wait_pod_ready(env)
+    restarts = pod["status"]["containerStatuses"][0]["restartCount"]
+    pids = env.node.find_process(r"gpu-ready run")
+    assert pids, f"agent process not found among the node's pod processes\n{env.diag()}"
+    with Sampler(env) as s:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+
+        def restarted() -> bool:
+            p = env.agent_pod()
+            return p is not None and p["status"]["containerStatuses"][0]["restartCount"] > restarts
+
+        try:
+            wait_for(restarted, 240, 0.5, "kubelet to restart the stopped agent (liveness probe)")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{env.diag()}") from None
+        TIMES["SIGSTOP -> restart by liveness probe s"] = time.monotonic() - t0
+        _wait_pod_ready(env)
+    assert s.statuses() == {"False"}, s.statuses()
+    assert _xid_label(env, 6) in env.gpu_ready()["message"]
+    events = env.api.request("GET", f"/api/v1/namespaces/{NS}/events")["items"]
+    assert any("Liveness probe failed" in (ev.get("message") or "") for ev in events), "kubelet reported the probe"
+
+
+def test_pod_deleted_is_recreated_nothing_lost(env: Env) -> None:
+    pod = _wait_pod_ready(env)
+    before = env.gpu_ready()
+    env.api.request("DELETE", f"/api/v1/namespaces/{NS}/pods/{pod['metadata']['name']}")
+    _wait_pod_ready(env, not_uid=pod["metadata"]["uid"])
+    c = wait_for(
+        lambda: (c := env.gpu_ready()) and c["lastHeartbeatTime"] != before["lastHeartbeatTime"] and c, 90, 0.2,
+        "a heartbeat from the new pod",
+    )  # fmt: skip
+    assert (c["status"], c["reason"]) == ("False", "FatalXid")
+    assert _xid_label(env, 6) in c["message"]
+
+
+def _projected_token(env: Env, pod: dict[str, Any]) -> str:
+    uid = pod["metadata"]["uid"]
+    found = list((env.node.kubelet_root / "pods" / uid / "volumes" / "kubernetes.io~projected").glob("*/token"))
+    assert found, "kubelet projected no token into the agent pod"
+    return found[0].read_text().strip()
+
+
+def test_own_node_policy_with_the_token_kubelet_projects(env: Env) -> None:
+    pod = _wait_pod_ready(env)
+    token = _projected_token(env, pod)
+    payload = token.split(".")[1]
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    assert claims["kubernetes.io"]["node"]["name"] == NODE, claims
+    other = f"other-gpu-node-{random.randrange(1 << 16):04x}"
+    create_node(env.api, other, {"nvidia.com/gpu.present": "true"}, {"nvidia.com/gpu": "8"}, None)
+    agent = KubeApi.from_token(env.cp.host, token, env.cp.ca_file)
+    try:
+        own = condition(agent.request("GET", f"/api/v1/nodes/{NODE}"), COND)
+        assert own is not None
+        patch = {"status": {"conditions": [{**own, "message": own["message"]}]}}
+        agent.patch_node_status(NODE, patch)  # its own node: allowed
+        with pytest.raises(ApiError) as denied:
+            agent.patch_node_status(other, patch)
+        assert denied.value.status == 403, denied.value
+        assert "ValidatingAdmissionPolicy" in str(denied.value) or "denied" in str(denied.value), denied.value
+    finally:
+        agent.close()
+        env.api.request("DELETE", f"/api/v1/nodes/{other}")
+
+
+# The spec the simulated host matches (its nvidia-smi stand-in prints an 8x H100 80GB, driver 550.90.07).
+H100_SPEC = {
+    "gpuModel": "H100",
+    "gpuCount": 8,
+    "memoryPerGpuMiB": 80000,
+    "driverVersion": ">=550.54, <600",
+    "cudaVersion": ">=12.4",
+    "migMode": "disabled",
+    "nvlinkLinksPerGpu": 18,
+    "pcieGen": 5,
+    "pcieWidth": 16,
+    "eccEnabled": True,
+}
+NEEDS = "gpu-ready.io/needs-preflight"
+
+
+def _world_readable_sim(env: Env, prefix: str) -> SimHost:
+    """A simulated host the chart's non-root containers (uid 65532) can read: in /tmp (pytest's own tmp is
+    root-only), the stand-in's call counter writable by anyone."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+    env.extra.setdefault("cleanup", []).append(base)
+    sim = make_sim(base / "sim")
+    base.chmod(0o755)
+    sim.scenario.parent.chmod(0o777)
+    sim.smi_calls.write_text("0")
+    sim.smi_calls.chmod(0o666)
+    return sim
+
+
+def test_preflight_job_runs_on_the_node(env: Env) -> None:
+    """`helm upgrade --set preflight.enabled=true,preflight.nodeName=<node>`: the chart's Job runs on the real
+    node (job controller; nodeName, so no scheduler): cordon -> spec gate on the simulated host -> label ->
+    uncordon, with the tokens kubelet projects (hostNetwork, the apiserver on loopback)."""
+    env.api.patch_node(NODE, {"metadata": {"labels": {NEEDS: "true"}}})
+    sim = _world_readable_sim(env, "gpu-ready-preflight-")
+    values = env.values(
+        **{
+            "preflight.enabled": True,
+            "preflight.nodeName": NODE,
+            "preflight.profile": {**H100_SPEC, "allowSkip": ["burnin", "nvlink", "cuda", "serving"]},
+            "preflight.extraArgs": [f"--nvidia-smi={sim.nvidia_smi}", "--gates=spec"],
+            "extraVolumes": [{"name": "simhost", "hostPath": {"path": str(sim.root.parent), "type": "Directory"}}],
+            "extraVolumeMounts": [{"name": "simhost", "mountPath": str(sim.root.parent)}],
+            "config.kmsgTrustUser": True,
+        }
+    )
+    # The DaemonSet's simulated host moves too (same extraVolumes): point its nvidia-smi and sysfs there.
+    data = yaml.safe_load(values.read_text())
+    data["config"].update(nvidiaSmi=str(sim.nvidia_smi), sysfsRoot=str(sim.sysfs), devRoot=str(sim.dev))
+    data["config"]["procRoot"] = str(sim.proc)
+    values.write_text(yaml.safe_dump(data))
+    # Network rule: the Job's pods may talk only to the apiserver on loopback, so the chart must give them
+    # hostNetwork and the explicit KUBERNETES_SERVICE_HOST/PORT (agent.extraEnv) as it does the DaemonSet's.
+    rendered = env.helm_run("template", RELEASE, str(CHART), "-n", NS, "-f", str(values), "--kube-version", "1.37.2")
+    job_spec = next(
+        d["spec"]["template"]["spec"] for d in yaml.safe_load_all(rendered.stdout) if d and d.get("kind") == "Job"
+    )
+    envs = [e.get("name") for c in job_spec.get("initContainers", []) for e in c.get("env", [])]
+    assert job_spec.get("hostNetwork") is True and "KUBERNETES_SERVICE_HOST" in envs, (
+        "the chart's preflight Job takes no hostNetwork / agent.extraEnv / extraVolumes yet (issue 14: "
+        "templates/preflight.yaml and the preflight container helper need them)"
+    )
+    seen_cordoned = threading.Event()
+    stop = threading.Event()
+
+    def watch_cordon() -> None:
+        api = env.cp.admin()
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(ApiError):
+                    if api.request("GET", f"/api/v1/nodes/{NODE}").get("spec", {}).get("unschedulable"):
+                        seen_cordoned.set()
+                stop.wait(0.1)
+        finally:
+            api.close()
+
+    t = threading.Thread(target=watch_cordon, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        env.helm_run("upgrade", RELEASE, str(CHART), "-n", NS, "-f", str(values))
+
+        def job_done() -> dict[str, Any] | None:
+            jobs = env.api.request("GET", f"/apis/batch/v1/namespaces/{NS}/jobs")["items"]
+            job = next((j for j in jobs if j["metadata"]["name"].endswith(NODE)), None)
+            st = (job or {}).get("status", {})
+            return job if st.get("succeeded") or st.get("failed") else None
+
+        job = wait_for(job_done, 300, 0.5, "the preflight Job to finish")
+    finally:
+        stop.set()
+        t.join(10)
+    TIMES["preflight Job (helm upgrade -> Job succeeded) s"] = time.monotonic() - t0
+    logs = "\n".join(
+        f"--- {c} ---\n" + env.node.pod_log(NS, p["metadata"]["name"], c)[-1500:]
+        for p in env.api.request("GET", f"/api/v1/namespaces/{NS}/pods")["items"]
+        if p["metadata"]["name"].startswith("gpu-ready-preflight")
+        for c in ("cordon", "gates", "record")
+    )
+    assert job["status"].get("succeeded") == 1, f"{job['status']}\n{logs}"
+    node = env.api.request("GET", f"/api/v1/nodes/{NODE}")
+    labels = node["metadata"]["labels"]
+    assert labels.get("preflight") == "passed", labels
+    assert NEEDS not in labels or labels[NEEDS] != "true", labels
+    assert not node["spec"].get("unschedulable"), "uncordoned after passing"
+    assert seen_cordoned.is_set(), "the node was cordoned while the gates ran"
+    pod = next(
+        p
+        for p in env.api.request("GET", f"/api/v1/namespaces/{NS}/pods")["items"]
+        if p["metadata"]["name"].startswith("gpu-ready-preflight")
+    )
+    assert pod["spec"]["nodeName"] == NODE and pod["spec"]["hostNetwork"] is True
+
+
+@pytest.mark.parametrize(
+    ("name", "over"),
+    [
+        ("root + CAP_SYSLOG, not privileged", {"agent.privileged": False}),
+        ("non-root (65532) + CAP_SYSLOG", {"agent.privileged": False, "agent.runAsUser": 65532}),
+    ],
+)
+def test_securitycontext_alternatives_cannot_read_kmsg(env: Env, name: str, over: dict[str, Any]) -> None:
+    """The measured alternatives to the privileged default (README, Deployment): a hostPath /dev/kmsg gets no
+    device-cgroup rule, so every non-privileged container gets EPERM and the node can only be Unknown."""
+    env.helm_run("uninstall", RELEASE, "-n", NS, "--wait")
+
+    def gone() -> bool:
+        # A pod the DaemonSet controller deleted before kubelet started it can stay Pending with a deletion
+        # timestamp (seen once with kubelet 1.37.2 after a rolling update); it holds no port and no state.
+        return not [
+            p for p in env.pods() if p["status"].get("phase") == "Running" or not p["metadata"].get("deletionTimestamp")
+        ]
+
+    try:
+        wait_for(gone, 300, 0.25, "old pods gone (garbage collector)")
+    except AssertionError as e:
+        left = [
+            (p["metadata"]["name"], p["metadata"].get("ownerReferences"), p["status"].get("phase")) for p in env.pods()
+        ]
+        raise AssertionError(f"{e}: {left}\n{env.cp.log_tail(40, component='kube-controller-manager')}") from None
+    env.sim = _world_readable_sim(env, "gpu-ready-alt-")  # only /dev/kmsg differs for uid 65532
+    env.state_dir = env.sim.root.parent / "state"
+    _clear_condition(env)
+    env.helm_run("install", RELEASE, str(CHART), "-n", NS, "-f", str(env.values(**over)))
+    try:
+        c = wait_for(env.gpu_ready, 180, 0.2, "GPUReady from the new pod")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{env.diag()}") from None
+    assert c["status"] == "Unknown" and "Operation not permitted" in c["message"], f"{name}: {c}"
+    print(f"\n[real node] {name}: {c['status']}/{c['reason']}: {c['message'][:120]}")
