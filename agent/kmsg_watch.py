@@ -9,6 +9,8 @@ woken) -> policy.py/verdict.py (Verdict) -> report/condition.py (the PATCH)."""
 
 from __future__ import annotations
 
+import os
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -112,6 +114,8 @@ class KmsgWatcher:
         self._fresh: list[XidEvent] = []
         self._rerun = False
         self.thread: threading.Thread | None = None
+        self._stop_r, self._stop_w = os.pipe()  # close() writes here: the blocking wait ends at once
+        os.set_blocking(self._stop_w, False)
 
     # -- what the loop takes --------------------------------------------------------------------------
 
@@ -191,13 +195,48 @@ class KmsgWatcher:
                         return
                     self.read_available()
                     continue
-                if self.source.wait(0.5):
+                if self._wait():
                     self.read_available()
             except Exception as e:  # never die silently: log, back off, go on
                 self.log.exception("kernel-log watcher error", check="xid", error=str(e))
                 self.source.close()
                 self.stop.wait(1.0)
 
+    def _wait(self) -> bool:
+        """Blocks until the log may hold new records or close() is called, with no periodic wake-up: select()
+        on the device (or on the inotify descriptor that follows a regular file) and on the stop pipe. A file
+        without inotify is polled (KmsgSource.wait). True: read now."""
+        src = self.source
+        notify = getattr(src, "_notify", None)  # KmsgSource's inotify watch of a regular file
+        if src.is_device:
+            fd = src.fileno()
+        elif notify is not None and notify.available:
+            if src.wait(0):  # written since the last read (or before the watch saw it)
+                return True
+            fd = notify.fd
+        else:
+            return src.wait(0.5)
+        r, _, _ = select.select([fd, self._stop_r], [], [])
+        if fd not in r:
+            return False  # stopping
+        if notify is not None and not src.is_device:
+            notify.wait(0)  # drain the inotify events; the size check above decides next time
+        return True
+
     def close(self) -> None:
         self.stop.set()
+        try:
+            os.write(self._stop_w, b"x")
+        except OSError:  # closed already, or the pipe is full (a byte is waiting anyway)
+            pass
+        t = self.thread
+        if t is not None and t is not threading.current_thread():
+            t.join(2.0)  # let it leave its select() before its descriptor is closed
         self.source.close()
+        if t is None or not t.is_alive():
+            for fd in (self._stop_r, self._stop_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._stop_r = self._stop_w = -1

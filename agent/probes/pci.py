@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult
 
@@ -22,35 +21,48 @@ class PciGpu:
     driver: str | None
 
 
-def _read_hex(path: Path) -> int | None:
-    """A sysfs attribute such as `0x10de`; at most 64 bytes are read (a real one is under 10)."""
+def _read_hex(path: str) -> int | None:
+    """A sysfs attribute such as `0x10de`; at most 64 bytes are read (a real one is under 10). Plain `os`
+    calls: no file object, no pathlib (the scan reads every PCI function's vendor each cycle)."""
     try:
-        with open(path, "rb") as fh:
-            return int(fh.read(64).strip(), 16)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return int(os.read(fd, 64).strip(), 16)
     except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def _driver(dev: str) -> str | None:
+    try:
+        return os.path.basename(os.readlink(dev + "/driver"))
+    except OSError:  # no driver bound (no link)
         return None
 
 
 def list_pci_gpus(sysfs_root: str = "/sys") -> list[PciGpu]:
     """Raises OSError when the PCI device directory cannot be read at all."""
-    base = Path(sysfs_root) / "bus" / "pci" / "devices"
+    base = os.path.join(sysfs_root, "bus", "pci", "devices") + "/"
     gpus = []
     for entry in sorted(os.listdir(base)):
-        dev = base / entry
-        if _read_hex(dev / "vendor") != NVIDIA_VENDOR:
+        dev = base + entry
+        if _read_hex(dev + "/vendor") != NVIDIA_VENDOR:
             continue
-        cls = _read_hex(dev / "class")
+        cls = _read_hex(dev + "/class")
         if cls is None or (cls >> 8) not in GPU_CLASSES:
             continue
-        if (dev / "physfn").exists():
+        if os.path.exists(dev + "/physfn"):
             continue  # SR-IOV virtual function
-        driver = os.path.basename(os.readlink(dev / "driver")) if (dev / "driver").is_symlink() else None
+        driver = _driver(dev)
         if driver == "vfio-pci":
             continue  # passed through to a VM: intentionally not advertised
         addr = PciAddress.parse(entry)
         if addr is None:
             continue
-        gpus.append(PciGpu(addr, entry, _read_hex(dev / "device") or 0, driver))
+        gpus.append(PciGpu(addr, entry, _read_hex(dev + "/device") or 0, driver))
     return gpus
 
 
