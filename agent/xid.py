@@ -257,7 +257,7 @@ class KernelLogParser:
         self.classifier = classifier or XidClassifier()
         self._pending_fob: tuple[str, int] | None = None  # (address, records left to see the tail)
         self._records = 0
-        self._off_bus: dict[PciAddress, tuple[int, int | None]] = {}  # GPU -> (record number, usec) of its 79
+        self._off_bus: dict[PciAddress, tuple[int, int | None, str]] = {}  # GPU -> (record number, usec, kind)
 
     def feed(self, text: str, seq: int | None = None, usec: int | None = None) -> list[XidEvent]:
         self._records += 1
@@ -287,7 +287,7 @@ class KernelLogParser:
             fatal, name, action = self.classifier.classify(xid, line[m.end() :])
             raw = m["addr"]
             addr = PciAddress.parse(raw)
-            if xid == FALLEN_OFF_BUS_XID and not self._first_of_burst(addr, usec):
+            if xid == FALLEN_OFF_BUS_XID and not self._first_of_burst(addr, usec, "xid"):
                 return None
             return XidEvent(xid, addr, raw, fatal, line.strip(), "xid", name, action, seq, usec)
         m = SXID_RE.search(line)
@@ -326,29 +326,32 @@ class KernelLogParser:
             )
         return None  # continuation record ("Severity 1 ...", "Data {...}", "SOE HALT data[0] = ...")
 
-    def _first_of_burst(self, addr: PciAddress | None, usec: int | None) -> bool:
-        """False when this GPU already has a fallen-off-the-bus event in the current burst; records it otherwise."""
+    def _first_of_burst(self, addr: PciAddress | None, usec: int | None, source: str) -> bool:
+        """False when this record is the companion of the other kind (an Xid 79 and a fallen-off-the-bus message)
+        for the same GPU in the current burst: the pair is one failure. Two records of the same kind stay two
+        events (the latch keeps one fault; a repeat after an operator's clear is a new one)."""
         if addr is None:
             return True
         prev = self._off_bus.get(addr)
         if prev is not None:
-            n, t = prev
+            n, t, kind = prev
             close = (
                 abs(usec - t) <= BURST_USEC
                 if usec is not None and t is not None
                 else self._records - n <= BURST_RECORDS
             )
-            if close:
+            if close and kind != source:
+                del self._off_bus[addr]  # the pair is complete: a later record starts a new one
                 return False
         if len(self._off_bus) >= 256:  # bounded whatever the input: forget bursts that are over
             self._off_bus.clear()
-        self._off_bus[addr] = (self._records, usec)
+        self._off_bus[addr] = (self._records, usec, source)
         return True
 
     def _fallen_off_bus(self, raw: str, line: str, seq: int | None, usec: int | None) -> XidEvent | None:
         self._pending_fob = None
         addr = PciAddress.parse(raw)
-        if not self._first_of_burst(addr, usec):
+        if not self._first_of_burst(addr, usec, "fallen_off_bus"):
             return None
         fatal, name, action = self.classifier.classify(FALLEN_OFF_BUS_XID, line)
         return XidEvent(FALLEN_OFF_BUS_XID, addr, raw, fatal, line.strip(), "fallen_off_bus", name, action, seq, usec)

@@ -219,6 +219,14 @@ def test_other_gpus_and_later_failures_are_separate_events():
     assert len(p.feed(XID79, 4, 61_000_000)) == 1
 
 
+def test_two_xid_79_records_are_two_events_even_in_one_burst():
+    """Only the companion of the other kind is folded in: a second Xid 79 for the same GPU a moment later (for
+    example after an operator's clear) is a new event, and the pair after it is again one."""
+    p = KernelLogParser()
+    evs = p.feed(XID79, 1, 1_000_000) + p.feed(XID79, 2, 1_001_000) + p.feed(FOB_91, 3, 1_002_000)
+    assert [e.source for e in evs] == ["xid", "xid"]
+
+
 def test_without_timestamps_a_burst_is_counted_in_records():
     p = KernelLogParser()
     assert len(p.feed(XID79)) == 1 and p.feed(FOB_91) == []
