@@ -433,48 +433,20 @@ class SimHost:
         self.boot_id_file.write_text(bid + "\n")
         return bid
 
-    def agent_args(self) -> list[str]:
-        """Flags that point gpu-ready at this host (a healthy set of device nodes, nvidia-caps included, is made
-        unless dev/ exists)."""
+    def check_args(self) -> list[str]:
+        """Flags that point `gpu-ready check` at this host (a healthy set of device nodes, nvidia-caps included,
+        is made unless dev/ exists)."""
         if not self.dev.exists():
             self.make_dev_nodes(mig=True)
         return [
-            "--dev-root",
-            str(self.dev),
-            "--proc-root",
-            str(self.proc),
-            "--nvidia-smi",
-            str(self.nvidia_smi),
-            "--sysfs-root",
-            str(self.sysfs),
-            "--kmsg",
-            str(self.kmsg),
-            "--nvml",
-            "off",
-            "--state-dir",
-            str(self.state_dir),
-            "--boot-id-file",
-            str(self.boot_id_file),
+            *("--dev-root", str(self.dev), "--proc-root", str(self.proc)),
+            *("--nvidia-smi", str(self.nvidia_smi), "--sysfs-root", str(self.sysfs)),
+            *("--kmsg", str(self.kmsg), "--nvml", "off"),
         ]
 
-    def check_args(self) -> list[str]:
-        """Flags that point `gpu-ready check` at this host (device nodes as in agent_args)."""
-        if not self.dev.exists():
-            self.make_dev_nodes(mig=True)
-        return [
-            "--dev-root",
-            str(self.dev),
-            "--proc-root",
-            str(self.proc),
-            "--nvidia-smi",
-            str(self.nvidia_smi),
-            "--sysfs-root",
-            str(self.sysfs),
-            "--kmsg",
-            str(self.kmsg),
-            "--nvml",
-            "off",
-        ]
+    def agent_args(self) -> list[str]:
+        """Flags that point `gpu-ready run` at this host: check_args plus the state directory and boot ID."""
+        return [*self.check_args(), "--state-dir", str(self.state_dir), "--boot-id-file", str(self.boot_id_file)]
 
     def plugin_resources(self, n: int | None = None) -> dict[str, str]:
         return {"nvidia.com/gpu": str(len(self.gpus) if n is None else n)}

@@ -26,15 +26,22 @@ def fixture_path(name: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def control_plane() -> Iterator[ControlPlane]:
+def require_testbin(*binaries: str) -> Path:
+    """The testbin directory holding `binaries`; skips the test when one is missing, except under CI=true,
+    where a missing binary fails the run (it never skips there)."""
     bd = testbin_dir()
-    if bd is None or not (bd / "kube-apiserver").exists() or not (bd / "etcd").exists():
-        msg = f"kube-apiserver/etcd not built (looked in {bd}); run tools/k8s-testbin/build.sh"
+    missing = [b for b in binaries if bd is None or not (bd / b).exists()]
+    if missing or bd is None:
+        msg = f"{', '.join(missing)} not built (looked in {bd}); run tools/k8s-testbin/build.sh"
         if IN_CI:
             pytest.fail(msg + " -- under CI=true a missing binary fails the run", pytrace=False)
         pytest.skip(msg)
-    cp = ControlPlane(bd)
+    return bd
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[ControlPlane]:
+    cp = ControlPlane(require_testbin("kube-apiserver", "etcd"))
     try:
         cp.start()
     except Exception:

@@ -75,8 +75,8 @@ from agent.verdict import MESSAGE_LIMIT, decide, with_note
 from agent.xid import KernelLogParser
 from testkit.cluster import bound_token, ensure_namespace, now_rfc3339
 from testkit.controlplane import ControlPlane
-from testkit.controlplane import testbin_dir as find_testbin  # not collected as a test
 from testkit.harness import wait_for
+from tests.conftest import require_testbin
 from tests.test_chart import KUBECTL, render
 
 IN_CI = os.environ.get("CI") == "true"
@@ -636,13 +636,7 @@ def apply_release(cp: ControlPlane, kc: Path, name: str, values: list[str]) -> R
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DraPlane]:
-    bd = find_testbin()
-    missing = [b for b in BINARIES if bd is None or not (bd / b).exists()]
-    if missing:
-        msg = f"{', '.join(missing)} not built (looked in {bd}); run tools/k8s-testbin/build.sh"
-        if IN_CI:
-            pytest.fail(msg + " -- under CI=true a missing binary fails the run", pytrace=False)
-        pytest.skip(msg)
+    bd = require_testbin(*BINARIES)
     cp = ControlPlane(bd)
     minor = kube_minor(bd)
     version = "v1"

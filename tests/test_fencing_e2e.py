@@ -30,9 +30,9 @@ from agent.kube import ApiError, KubeApi
 from agent.report.fencing import MANAGED_BY, MANAGED_BY_LABEL, NODE_LABEL, TAINT_KEY
 from testkit.cluster import bound_token, condition, ensure_namespace
 from testkit.controlplane import ControlPlane
-from testkit.controlplane import testbin_dir as find_testbin  # not collected as a test
 from testkit.harness import AgentProc, wait_for
 from testkit.simhost import SimHost
+from tests.conftest import require_testbin
 from tests.test_dra import (
     BUSES,
     DRIVER,
@@ -76,14 +76,7 @@ class Plane(DraPlane):
 
 @pytest.fixture(scope="module")
 def fplane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
-    bd = find_testbin()
-    missing = [b for b in BINARIES if bd is None or not (bd / b).exists()]
-    if missing:
-        msg = f"{', '.join(missing)} not built (looked in {bd}); run tools/k8s-testbin/build.sh"
-        if IN_CI:
-            pytest.fail(msg + " -- under CI=true a missing binary fails the run", pytrace=False)
-        pytest.skip(msg)
-    assert bd is not None
+    bd = require_testbin(*BINARIES)
     cp = ControlPlane(bd)
     version = "v1"
     if kube_minor(bd) == 36:  # DeviceTaintRule is beta there: the gate and the beta API (docs/fencing.md)

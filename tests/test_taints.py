@@ -43,10 +43,9 @@ from agent.report.taints import (
 from agent.verdict import decide
 from testkit.cluster import AGENT_RULES, now_rfc3339, service_account_client
 from testkit.controlplane import ControlPlane
-from testkit.controlplane import testbin_dir as find_testbin  # not collected as a test
 from testkit.harness import wait_for
+from tests.conftest import require_testbin
 
-IN_CI = os.environ.get("CI") == "true"
 BINARIES = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager")
 TAINT_RULES = [*AGENT_RULES, {"apiGroups": [""], "resources": ["nodes"], "verbs": ["patch"]}]
 HEALTHY = Verdict(Status.TRUE, Reason.GPUS_HEALTHY, "8 GPUs healthy")
@@ -217,13 +216,7 @@ class SchedulerPlane:
 
 @pytest.fixture(scope="module")
 def sched_plane() -> Iterator[SchedulerPlane]:
-    bd = find_testbin()
-    missing = [b for b in BINARIES if bd is None or not (bd / b).exists()]
-    if missing:
-        msg = f"{', '.join(missing)} not built (looked in {bd}); run tools/k8s-testbin/build.sh"
-        if IN_CI:
-            pytest.fail(msg + " -- under CI=true a missing binary fails the run", pytrace=False)
-        pytest.skip(msg)
+    bd = require_testbin(*BINARIES)
     cp = ControlPlane(bd)
     admin: KubeApi | None = None
     try:
