@@ -559,6 +559,10 @@ def test_job_steps_pass_the_chart_policy_with_the_preflight_token(control_plane,
 
     def probe_denied():  # the policy loads asynchronously: wait until it denies a foreign node
         r = subprocess.run(step("cordon", "--node", other), capture_output=True, text=True, timeout=120)
+        if r.returncode == 0:  # not loaded yet: the cordon went through; undo it so the next probe patches again
+            admin.patch_node(
+                other, {"spec": {"unschedulable": False}, "metadata": {"annotations": {CORDONED_BY: None}}}
+            )
         return r.returncode == 2 and "preflight-own-node-only" in r.stderr
 
     prof = tmp_path / "p.yaml"
