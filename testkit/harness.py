@@ -67,6 +67,19 @@ def wait_for(pred: Callable[[], Any], timeout: float = 20.0, interval: float = 0
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last!r}")
 
 
+def first_times(checks: dict[str, Callable[[], bool]], timeout: float, what: str) -> dict[str, float]:
+    """Polls every check about every 20 ms; returns the monotonic time each was first seen true."""
+    seen: dict[str, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(seen) < len(checks) and time.monotonic() < deadline:
+        for k, check in checks.items():
+            if k not in seen and check():
+                seen[k] = time.monotonic()
+        time.sleep(0.02)
+    assert len(seen) == len(checks), f"timed out after {timeout}s waiting for {what}: saw only {sorted(seen)}"
+    return seen
+
+
 class AgentProc:
     def __init__(
         self,

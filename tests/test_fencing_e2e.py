@@ -30,7 +30,7 @@ from agent.kube import ApiError, KubeApi
 from agent.report.fencing import MANAGED_BY, MANAGED_BY_LABEL, NODE_LABEL, TAINT_KEY
 from testkit.cluster import bound_token, condition, ensure_namespace
 from testkit.controlplane import ControlPlane
-from testkit.harness import AgentProc, wait_for
+from testkit.harness import AgentProc, first_times, wait_for
 from testkit.simhost import SimHost
 from tests.conftest import require_testbin
 from tests.test_dra import (
@@ -204,19 +204,6 @@ def wait_cond(p: Plane, agent: AgentProc, pred: Callable[[dict[str, Any]], bool]
         return wait_for(lambda: (c := gpu_ready(p, agent.node)) and pred(c) and c, 60, what=what)
     except AssertionError as e:
         raise AssertionError(f"{e}\n--- agent log ---\n{agent.logs()[-4000:]}{p.logs()}") from None
-
-
-def first_times(checks: dict[str, Callable[[], bool]], timeout: float, what: str) -> dict[str, float]:
-    """Polls every check about every 20 ms; returns the monotonic time each was first seen true."""
-    seen: dict[str, float] = {}
-    deadline = time.monotonic() + timeout
-    while len(seen) < len(checks) and time.monotonic() < deadline:
-        for k, check in checks.items():
-            if k not in seen and check():
-                seen[k] = time.monotonic()
-        time.sleep(0.02)
-    assert len(seen) == len(checks), f"timed out after {timeout}s waiting for {what}: saw only {sorted(seen)}"
-    return seen
 
 
 def writes(agent: AgentProc) -> dict[str, float]:

@@ -22,7 +22,7 @@ import yaml
 from agent.kube import ApiError, KubeApi
 from agent.report.taints import NO_EXECUTE, NO_SCHEDULE, TAINT_KEY
 from testkit.cluster import condition
-from testkit.harness import AgentProc, wait_for
+from testkit.harness import AgentProc, first_times, wait_for
 from testkit.simhost import SimHost
 from tests import test_taints
 from tests.test_security import Release, apply_release, denied_by_policy
@@ -227,19 +227,6 @@ def taint_events(plane: SchedulerPlane, node: str) -> list[dict[str, Any]]:
         for e in items
         if e.get("regarding", {}).get("name") == node and e.get("reason") in ("TaintAdded", "TaintRemoved")
     ]
-
-
-def first_times(checks: dict[str, Callable[[], bool]], timeout: float, what: str) -> dict[str, float]:
-    """Polls every check about every 20 ms; returns the monotonic time each was first seen true."""
-    seen: dict[str, float] = {}
-    deadline = time.monotonic() + timeout
-    while len(seen) < len(checks) and time.monotonic() < deadline:
-        for k, check in checks.items():
-            if k not in seen and check():
-                seen[k] = time.monotonic()
-        time.sleep(0.02)
-    assert len(seen) == len(checks), f"timed out after {timeout}s waiting for {what}: saw only {sorted(seen)}"
-    return seen
 
 
 def evicted(plane: SchedulerPlane, name: str) -> dict[str, Any] | None:
