@@ -6,7 +6,7 @@ one-shot read); it feeds non-fatal Xids to `xid_rate`, whose findings each cycle
 The degradation signals (issue 18, docs/degradation.md) run after the hard checks: the PCIe links of the
 GPUs PCI found (speed judged with NVML's load), the device nodes, clock events (a tracker kept across
 cycles, fed one NVML sample per GPU and cycle), the Xid rate and the opt-in dcgm-exporter cross-check.
-Their faults carry reason GPUDegraded and pass through the same hysteresis (policy.py) as every level
+Their faults carry reason GPUDegraded and pass through the same hysteresis (RecoveryGate, verdict.py) as every level
 signal."""
 
 from __future__ import annotations

@@ -12,11 +12,10 @@ from typing import Any, NamedTuple
 from agent import __version__
 from agent import config as config_mod
 from agent.checks import CheckSuite
-from agent.kmsg_watch import place_events
+from agent.kmsg_watch import KmsgSource, KmsgUnavailable, place_events
 from agent.kube import ApiError, KubeApi
 from agent.logs import setup_logging
 from agent.model import Check, Finding, LatchedFault, Status, Verdict, XidEvent
-from agent.probes.kmsg import KmsgSource, KmsgUnavailable
 from agent.report.condition import on_node, render_on_node
 from agent.report.fencing import FenceEffect, FenceReporter, FenceResult, FencingSettings
 from agent.verdict import decide

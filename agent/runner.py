@@ -1,7 +1,7 @@
 """`gpu-ready run`: the DaemonSet agent. This module only schedules.
 
 The loop thread runs every level check each poll (the Node from a watch's cache: node_cache.py) and, after each cycle or
-kernel-log wake, asks the policy (policy.py) for the verdict and hands it to the reporters. The
+kernel-log wake, asks the readiness policy (verdict.py) for the verdict and hands it to the reporters. The
 kernel-log watcher (kmsg_watch.py) and the Event publisher (report/events.py) run on their own threads;
 the main thread only waits for SIGTERM/SIGINT."""
 
@@ -19,13 +19,11 @@ from typing import Any
 from agent import config as config_mod
 from agent.checks import CheckSuite
 from agent.config import Config, ConfigError
-from agent.kmsg_watch import KernelLogIngest, KmsgWatcher
+from agent.kmsg_watch import KernelLogIngest, KmsgSource, KmsgWatcher
 from agent.kube import ApiError, ApiHealth, KubeApi
 from agent.logs import get_logger
 from agent.model import Check, Finding, Observation, Reason, Status, Verdict
 from agent.node_cache import NodeCache, first_write_delay, heartbeat_delay
-from agent.policy import GateState, NodeFacts, RecoveryGate, adopt, decide_clear, node_facts
-from agent.probes.kmsg import KmsgSource
 from agent.report.condition import ConditionReporter, find_condition
 from agent.report.events import EventPublisher, EventReporter
 from agent.report.fencing import FenceEffect, FenceMetrics, FenceReporter, FenceWorker, FencingSettings
@@ -33,7 +31,7 @@ from agent.report.metrics import Metrics
 from agent.report.server import HealthServer
 from agent.report.taints import TaintMode, TaintPlan, TaintReporter, TaintSettings
 from agent.state import LatchState, read_boot_id, read_boot_time
-from agent.verdict import gpu_label, with_note
+from agent.verdict import GateState, NodeFacts, RecoveryGate, adopt, decide_clear, gpu_label, node_facts, with_note
 from agent.xid import KernelLogParser, XidClassifier
 
 CLEAR_ANNOTATION = "gpu-ready.io/clear-before"

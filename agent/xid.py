@@ -1,7 +1,7 @@
 """Kernel-log GPU errors: Xid, NVSwitch SXid and "fallen off the bus" lines, the Xid catalog and the NVLink5
 (Xid 144-150) decode table.
 
-Parses message text only; reading /dev/kmsg is probes/kmsg.py's job. Formats and sources:
+Parses message text only; reading /dev/kmsg is kmsg_watch.py's job. Formats and sources:
 shared/reference/gpu-signals.md section 2; the policy is docs/xid-policy.md.
 
 Every regular expression here is anchored on a literal and has bounded quantifiers, and every line is cut to

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.probes.kmsg import KmsgSource
+from agent.kmsg_watch import KmsgSource
 from agent.xid import KernelLogParser
 from bench.common import (
     AGENT_DEFAULTS,

@@ -13,9 +13,8 @@ from typing import Any
 
 import psutil
 
-from agent.kmsg_watch import KMSG_BATCH, KernelLogIngest
+from agent.kmsg_watch import KMSG_BATCH, KernelLogIngest, KmsgSource, format_record
 from agent.model import PciAddress
-from agent.probes.kmsg import KmsgSource, format_record
 from agent.report.metrics import Metrics
 from agent.state import LatchState
 from agent.xid import KernelLogParser

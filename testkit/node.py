@@ -18,6 +18,7 @@ kubelet `failCgroupV1: false`, `cgroupDriver: cgroupfs`, `failSwapOn: false`; co
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -79,6 +80,18 @@ DEFAULT_HOST_PATHS = (
     "/run/runc",
 )
 CGROUP_MOUNTS = Path("/sys/fs/cgroup")
+
+
+HOST_LOCK = "/run/gpu-ready-realnode.lock"
+HOST_LOCK_WAIT_S = 2400.0  # another run's real-node module takes minutes
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def run(args: list[str], timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -320,10 +333,12 @@ class RealNode:
         self.undone: list[str] = []
         self._made_cgroups: list[Path] = []
         self._bridge_made = False
+        self._lock_fd: int | None = None
 
     # -- start ------------------------------------------------------------------------------------------
 
     def start(self, timeout_s: float = 180.0) -> RealNode:
+        self._lock_host()
         t0 = time.monotonic()
         self.host = HostRecord.capture()
         try:
@@ -667,7 +682,27 @@ resolvConf: /etc/resolv.conf
         if self.host is not None:
             self.undone += self.host.restore()
             self.host = None
+        self._unlock_host()
         return self.undone
+
+    # -- one real node per host -------------------------------------------------------------------------
+
+    def _lock_host(self) -> None:
+        """Waits for the host-wide lock: the host record (iptables chains, sysctls, default directories) and its
+        restore assume no other real node starts or stops meanwhile (another pytest run on the same machine).
+        flock: released by the kernel if this process dies."""
+        fd = os.open(HOST_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            wait_for(lambda: _try_flock(fd), HOST_LOCK_WAIT_S, 0.5, f"the host-wide real-node lock {HOST_LOCK}")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    def _unlock_host(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
 
     def leftovers(self) -> list[str]:
         """Host changes still in place after stop() (empty when everything was restored)."""

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from agent.policy import parse_rfc3339
+from agent.verdict import parse_rfc3339
 from testkit.cluster import AGENT_RULES, condition
 from testkit.harness import wait_for
 
@@ -320,7 +320,7 @@ def test_real_dev_kmsg_record_turns_condition_false(admin, agent_factory, tmp_pa
     here gets a random bus id, and the test waits for the fault on that GPU."""
     import random
 
-    from agent.probes.kmsg import KmsgSource
+    from agent.kmsg_watch import KmsgSource
     from agent.xid import KernelLogParser
     from testkit.simhost import SimHost
 

@@ -774,8 +774,7 @@ def test_place_events_device_and_file_stamps():
 
 
 def test_ingest_feeds_the_rate_at_kernel_log_time_and_history_is_not_new(tmp_path: Path):
-    from agent.kmsg_watch import KernelLogIngest
-    from agent.probes.kmsg import KmsgSource, format_record
+    from agent.kmsg_watch import KernelLogIngest, KmsgSource, format_record
     from agent.report.metrics import Metrics
     from agent.state import LatchState
 

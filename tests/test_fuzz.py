@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 from agent import config
 from agent.cli import main as cli_main
+from agent.kmsg_watch import MAX_RECORD, KmsgSource, format_record, parse_record
 from agent.model import PciAddress, Severity
 from agent.probes.device_plugin import plugin_counts, plugin_findings
-from agent.probes.kmsg import MAX_RECORD, KmsgSource, format_record, parse_record
 from agent.probes.nvidia_smi import parse_smi_table, smi_findings
 from agent.xid import KernelLogParser
 from testkit.simhost import SimHost

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from agent.cli import main as cli_main
+from agent.kmsg_watch import MAX_RECORD, KmsgSource, format_record, parse_record
 from agent.model import PciAddress, Reason, Severity
 from agent.probes.device_plugin import MigLayout, parse_count, plugin_counts, plugin_findings
-from agent.probes.kmsg import MAX_RECORD, KmsgSource, format_record, parse_record
 from agent.probes.nvidia_smi import MAX_LINE, NvidiaSmiRunner, parse_smi_table, probe_nvidia_smi, smi_findings
 from agent.report.metrics import Metrics
 from agent.report.server import HealthServer

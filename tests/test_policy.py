@@ -1,4 +1,4 @@
-"""The readiness policy over time (agent/policy.py), on plain data: no clock, no I/O."""
+"""The readiness policy over time (RecoveryGate in agent/verdict.py), on plain data: no clock, no I/O."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from agent.model import (
     Reason,
     Status,
 )
-from agent.policy import (
+from agent.verdict import (
     CLOCK_SKEW_S,
     GateState,
     HeldCondition,

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from agent.kmsg_watch import KmsgSource, KmsgUnavailable, format_record
 from agent.model import PciAddress, Reason, Severity
 from agent.probes.device_plugin import MigLayout, plugin_counts, plugin_findings
-from agent.probes.kmsg import KmsgSource, KmsgUnavailable, format_record
 from agent.probes.nvidia_smi import NvidiaSmiRunner, probe_nvidia_smi
 from agent.probes.nvml import NvmlProbe
 from agent.probes.pci import list_pci_gpus, probe_pci

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.kmsg_watch import format_record, parse_record
 from agent.model import PciAddress
-from agent.probes.kmsg import format_record, parse_record
 from agent.probes.nvidia_smi import parse_smi_table, smi_findings
 from agent.xid import KernelLogParser
 

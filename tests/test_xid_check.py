@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.probes.kmsg import format_record
+from agent.kmsg_watch import format_record
 from testkit.simhost import SimHost
 from tests.conftest import fixture_path
 

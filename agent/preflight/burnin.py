@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agent.kmsg_watch import KmsgSource
 from agent.preflight.command import run_command_gate
 from agent.preflight.model import DEFAULT_TIMEOUTS, FAIL, PASS, SKIP, GateResult
 from agent.preflight.profile import Profile
-from agent.probes.kmsg import KmsgSource
 from agent.xid import KernelLogParser, XidClassifier
 
 
