@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.model import PciAddress
-from agent.probes.kmsg import format_record
+from agent.kmsg_watch import format_record
 
 # Bus ids of the 8-GPU H100 node in shared/fixtures/smi-table-healthy-h100x8-550.90.07-gpud-fixture.txt
 H100X8_BUSES = (0x19, 0x3B, 0x4C, 0x5D, 0x9B, 0xBB, 0xCB, 0xDB)
