@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.kmsg_watch import KmsgSource, format_record
 from agent.model import PciAddress
-from agent.kmsg_watch import format_record
 
 # Bus ids of the 8-GPU H100 node in shared/fixtures/smi-table-healthy-h100x8-550.90.07-gpud-fixture.txt
 H100X8_BUSES = (0x19, 0x3B, 0x4C, 0x5D, 0x9B, 0xBB, 0xCB, 0xDB)
@@ -54,6 +54,8 @@ if sc.get("count_file"):
     open(sc["count_file"], "w").write(str(n + 1))
 if "--query-gpu" in sys.argv[1:] or any(a.startswith("--query-gpu=") for a in sys.argv[1:]):
     sys.stdout.write(sc.get("query_output", "")); sys.exit(int(sc.get("query_exit_code", 0)))
+if "-L" in sys.argv[1:] or "--list-gpus" in sys.argv[1:]:
+    sys.stdout.write(sc.get("list_output", "")); sys.exit(0)
 if "nvlink" in sys.argv[1:]:
     sys.stdout.write(sc.get("nvlink_output", "")); sys.exit(0)
 if sc.get("hang"):
@@ -81,6 +83,19 @@ class SimGpu:
     nvlink_total: int = 18
     minor: int = 0
 
+    @property
+    def uuid(self) -> str:
+        """A stable NVML-style UUID, `GPU-<8-4-4-4-12 hex>`, derived from the bus id (same on every run)."""
+        return "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_OID, f"gpu-ready-sim-gpu:{self.address.nvml}"))
+
+    @property
+    def mig_uuids(self) -> list[str]:
+        """Stable `MIG-<uuid>` UUIDs of this GPU's MIG devices, in NVML MIG handle-index order."""
+        return [
+            "MIG-" + str(uuid.uuid5(uuid.NAMESPACE_OID, f"gpu-ready-sim-mig:{self.address.nvml}:{d}"))
+            for d in range(self.mig_devices)
+        ]
+
 
 QUERY_FIELDS = (
     "index,pci.bus_id,name,memory.total,driver_version,mig.mode.current,pcie.link.gen.max,"
@@ -104,12 +119,22 @@ def smi_nvlink_status(gpus: list[SimGpu]) -> str:
     """`nvidia-smi nvlink --status` in the real layout."""
     out = []
     for i, g in enumerate([g for g in gpus if g.in_smi]):
-        out.append(f"GPU {i}: {g.name} (UUID: GPU-00000000-0000-0000-0000-00000000000{i})")
+        out.append(f"GPU {i}: {g.name} (UUID: {g.uuid})")
         if g.nvlink_up == 0 and g.nvlink_total:
             out.append("\t NVML: Unable to retrieve NVLink information as all links are inactive")
             continue
         for link in range(g.nvlink_total):
             out.append(f"\t Link {link}: " + ("26.562 GB/s" if link < g.nvlink_up else "<inactive>"))
+    return "\n".join(out) + "\n"
+
+
+def smi_list(gpus: list[SimGpu]) -> str:
+    """`nvidia-smi -L` in the real layout: one line per GPU, one per MIG device below it."""
+    out = []
+    for i, g in enumerate([g for g in gpus if g.in_smi]):
+        out.append(f"GPU {i}: {g.name} (UUID: {g.uuid})")
+        for d, m in enumerate(g.mig_uuids):
+            out.append(f"  MIG 1g.10gb     Device  {d}: (UUID: {m})")
     return "\n".join(out) + "\n"
 
 
@@ -396,6 +421,7 @@ class SimHost:
             "count_file": str(self.smi_calls),
             "query_output": smi_query_csv(self.gpus),
             "nvlink_output": smi_nvlink_status(self.gpus),
+            "list_output": smi_list(self.gpus),
         }
         tmp = self.scenario.with_suffix(".tmp")
         tmp.write_text(json.dumps(sc))
@@ -447,6 +473,11 @@ class SimHost:
     def agent_args(self) -> list[str]:
         """Flags that point `gpu-ready run` at this host: check_args plus the state directory and boot ID."""
         return [*self.check_args(), "--state-dir", str(self.state_dir), "--boot-id-file", str(self.boot_id_file)]
+
+    def gpu_uuids(self) -> list[tuple[PciAddress, str, list[str]]]:
+        """(bus id, `GPU-...` UUID, [`MIG-...` UUIDs]) per simulated GPU, in bus order; the MIG UUIDs follow the
+        MIG devices of the last `set_smi(mig=...)`. Stable across runs (derived from the bus id)."""
+        return [(g.address, g.uuid, g.mig_uuids) for g in self.gpus]
 
     def plugin_resources(self, n: int | None = None) -> dict[str, str]:
         return {"nvidia.com/gpu": str(len(self.gpus) if n is None else n)}
@@ -501,3 +532,22 @@ class DcgmExporterStandIn:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def buses_free_in_kmsg(n: int = 8, device: str = "/dev/kmsg") -> tuple[int, ...]:
+    """`n` random PCI bus numbers that no record in the machine's real kernel ring buffer names. The ring buffer
+    lives as long as the machine, and earlier test runs (or another run going on) wrote Xid records there: a
+    simulated GPU on one of those buses would read as failed before its test writes anything."""
+    import random
+
+    from agent.xid import KernelLogParser
+
+    used: set[int] = set()
+    src, parser = KmsgSource(device, trust_user=True), KernelLogParser()
+    try:
+        for records in src.drain():
+            used |= {ev.address.bus for r in records for ev in parser.feed(r.text) if ev.address is not None}
+    finally:
+        src.close()
+    free = [b for b in range(0x10, 0xF0) if b not in used]
+    return tuple(sorted(random.sample(free, n)))

@@ -318,21 +318,9 @@ def test_real_dev_kmsg_record_turns_condition_false(admin, agent_factory, tmp_pa
     """Writes a real record to the real /dev/kmsg. The ring buffer lives as long as the machine, so
     records from earlier runs may already be there (and, correctly, keep the node False): the GPU
     here gets a random bus id, and the test waits for the fault on that GPU."""
-    import random
+    from testkit.simhost import SimHost, buses_free_in_kmsg
 
-    from agent.kmsg_watch import KmsgSource
-    from agent.xid import KernelLogParser
-    from testkit.simhost import SimHost
-
-    # Buses that no record already in the ring buffer names (earlier runs on this machine wrote Xids for some).
-    used, src, parser = set(), KmsgSource("/dev/kmsg", trust_user=True), KernelLogParser()
-    try:
-        for records in src.drain():
-            used |= {ev.address.bus for r in records for ev in parser.feed(r.text) if ev.address is not None}
-    finally:
-        src.close()
-    free = [b for b in range(0x10, 0xF0) if b not in used]
-    host = SimHost(tmp_path / "realkmsg", buses=tuple(sorted(random.sample(free, 8))))
+    host = SimHost(tmp_path / "realkmsg", buses=buses_free_in_kmsg(8))
     # Records written from user space get the user facility; --kmsg-trust-user lets the test count them.
     a = agent_factory(host=host, kmsg="/dev/kmsg", extra={"--kmsg-trust-user": "true", "--poll-interval": "30"})
     wait_for(lambda: a.gpu_ready(admin), 30, what="first GPUReady condition")

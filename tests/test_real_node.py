@@ -45,7 +45,7 @@ from testkit.node import (
     kubelet_binary,
     missing_tools,
 )
-from testkit.simhost import SimHost
+from testkit.simhost import SimHost, buses_free_in_kmsg
 
 pytestmark = [pytest.mark.node, pytest.mark.slow]
 
@@ -142,9 +142,9 @@ class Env:
 
 
 def make_sim(root: Path) -> SimHost:
-    """A simulated 8-GPU host with random bus ids (the real /dev/kmsg may hold records of earlier runs), its
-    nvidia-smi stand-in run by the image's Python."""
-    sim = SimHost(root, buses=tuple(sorted(random.sample(range(0x10, 0xF0), 8))))
+    """A simulated 8-GPU host on bus ids that no record in the real /dev/kmsg names (earlier runs left Xids
+    there), its nvidia-smi stand-in run by the image's Python."""
+    sim = SimHost(root, buses=buses_free_in_kmsg(8))
     sim.make_dev_nodes()
     text = sim.nvidia_smi.read_text()
     sim.nvidia_smi.write_text("#!/opt/gpu-ready/bin/python3\n" + text.split("\n", 1)[1])
