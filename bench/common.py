@@ -104,8 +104,8 @@ def condition(node: dict[str, Any], ctype: str) -> dict[str, Any] | None:
 
 class ProcSampler:
     """Samples a process's RSS and CPU time (psutil) every `interval` seconds. `samples` hold the process's
-    own CPU; `children` the CPU of its children that it has waited for (for the agent: every nvidia-smi
-    supervisor and what that reaped, the simulated nvidia-smi included), sampled at the same times."""
+    own CPU; `children` the CPU of its children that it has waited for (for the agent: every nvidia-smi run,
+    here the simulated nvidia-smi, a Python script, and whatever it left behind), sampled at the same times."""
 
     def __init__(self, pid: int, interval: float = 1.0) -> None:
         self.proc = psutil.Process(pid)
@@ -161,31 +161,47 @@ def window(sampler: ProcSampler, t_from: float, t_to: float | None = None) -> di
     }
 
 
-def supervisor_cpu_ms(runs: int = 20) -> float:
-    """The CPU (ms) of one nvidia-smi supervisor (agent/probes/nvidia_smi.py SUPERVISOR: a `python -I -S`
-    process per poll) around a program that does nothing, minus that program's own cost: what each poll
-    adds beyond the agent process and nvidia-smi itself."""
-    import resource
+SPAWNED_COST = r"""
+import os, resource, sys, threading, time
+import agent.kube, agent.runner  # the agent's size
+from agent.probes.nvidia_smi import NvidiaSmiRunner
+runs, true = int(sys.argv[1]), "/bin/true"
+def cost(fn):
+    r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.process_time()
+    for _ in range(runs):
+        fn()
+    r1, t1 = resource.getrusage(resource.RUSAGE_CHILDREN), time.process_time()
+    return (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / runs, (t1 - t0) / runs
+def plain():
+    os.waitpid(os.posix_spawn(true, [true], os.environ), 0)
+runner = NvidiaSmiRunner(true)
+def supervised():
+    assert runner.run().exit_code == 0
+for _ in range(5):
+    plain(), supervised()
+(kids_plain, own_plain), (kids_run, own_run) = cost(plain), cost(supervised)
+print(max(0.0, kids_run - kids_plain) * 1000, max(0.0, own_run - own_plain) * 1000)
+"""
+
+
+def spawned_cpu_ms(runs: int = 100) -> dict[str, float]:
+    """What one nvidia-smi run costs besides nvidia-smi itself, measured in a fresh process the agent's size
+    (it imports what `gpu-ready run` imports): `runs` runs of agent/probes/nvidia_smi.py's runner around
+    /bin/true against as many plain spawns of /bin/true. `spawned_ms`: the CPU of every other process a run
+    starts (before issue 19: a `python -I -S` supervisor per poll, 17-20 ms; now none, so about 0: measured,
+    not assumed); `agent_ms`: the extra CPU of the agent process itself (already inside its own CPU figure)."""
     import subprocess
     import sys
 
-    from agent.probes.nvidia_smi import SUPERVISOR
-
-    true = "/bin/true"
-
-    def cost(argv: list[str], status: bool) -> float:
-        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        for _ in range(runs):
-            rfd, wfd = os.pipe()
-            args = [a.replace("{fd}", str(wfd)) for a in argv]
-            subprocess.run(args, pass_fds=(wfd,) if status else (), stdout=subprocess.DEVNULL, check=False)
-            os.close(rfd)
-            os.close(wfd)
-        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / runs * 1000
-
-    sup = cost([sys.executable, "-I", "-S", "-c", SUPERVISOR, "{fd}", str(os.getpid()), true], True)
-    return round(max(0.0, sup - cost([true], False)), 2)
+    out = subprocess.run(
+        [sys.executable, "-c", SPAWNED_COST, str(runs)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=OUT.parent.parent,
+        timeout=300,
+    ).stdout.split()
+    return {"spawned_ms": round(float(out[0]), 3), "agent_ms": round(float(out[1]), 3)}
 
 
 def runtime_python() -> str:
@@ -238,8 +254,18 @@ def runtime_python() -> str:
     # gpu-ready itself as the image has it: a copy of the package (not the editable source tree), its bytecode
     # compiled as docker/install.sh compiles it
     dest = next(root.glob("lib/python*/site-packages"))
+    src = OUT.parent.parent / "agent"
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(src.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(src)).encode() + b"\0" + path.read_bytes())
+    copied = dest / "agent" / ".source-digest"
+    if copied.exists() and copied.read_text() == digest.hexdigest():
+        return str(py)  # the same sources: a running agent of another benchmark keeps its files
     shutil.rmtree(dest / "agent", ignore_errors=True)
-    shutil.copytree(OUT.parent.parent / "agent", dest / "agent", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(src, dest / "agent", ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     subprocess.run(
         [str(py), "-m", "compileall", "-q", "-o", "0", "-o", "2", str(dest / "agent")],
@@ -247,6 +273,7 @@ def runtime_python() -> str:
         check=True,
         stdout=subprocess.DEVNULL,
     )
+    copied.write_text(digest.hexdigest())
     return str(py)
 
 

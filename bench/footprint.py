@@ -2,9 +2,10 @@
 for N seconds (default 600): peak and steady RSS, average CPU in millicores (psutil).
 
 CPU is counted three ways, so none hides another: the agent process's own CPU; its children's (each poll's
-nvidia-smi supervisor, a small `python -I -S` process, and the simulated nvidia-smi it runs, itself a
-Python script: a real nvidia-smi costs what it costs on any agent); and the agent plus one supervisor per
-poll (`supervisor_cpu_ms_per_poll`, measured around /bin/true), the honest figure for what gpu-ready adds."""
+simulated nvidia-smi, itself a Python script: a real nvidia-smi costs what it costs on any agent); and the
+agent plus every other process it starts per poll (`spawned_cpu_ms_per_poll`, measured around /bin/true by
+bench.common.spawned_cpu_ms: since issue 19 there is none, the agent starts nvidia-smi itself), the honest
+figure for what gpu-ready adds."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import AGENT_DEFAULTS, ProcSampler, launch, millicores, percentile, save, supervisor_cpu_ms
+from bench.common import AGENT_DEFAULTS, ProcSampler, launch, millicores, percentile, save, spawned_cpu_ms
 from testkit.controlplane import ControlPlane
 from testkit.harness import AgentProc, wait_for
 
@@ -45,7 +46,7 @@ def finish(agent: AgentProc, sampler: ProcSampler, seconds: float) -> dict[str, 
     kids = sampler.children
     kids_steady = kids[-1] - kids[len(s) - len(steady)] if len(kids) == len(s) else 0.0
     rss = [x[1] for x in s]
-    sup_ms = supervisor_cpu_ms()
+    spawned = spawned_cpu_ms()
     polls_per_s = (cycles or 0) / max(t1 - t0, 1)
     own_steady = (c1 - cs) / max(t1 - ts, 1) * 1000
     res = {
@@ -58,8 +59,9 @@ def finish(agent: AgentProc, sampler: ProcSampler, seconds: float) -> dict[str, 
         "cpu_avg_millicores": round((c1 - c0) / (t1 - t0) * 1000, 2),
         "cpu_steady_millicores": round(own_steady, 3),
         "cpu_children_steady_millicores": millicores(kids_steady, t1 - ts),
-        "supervisor_cpu_ms_per_poll": sup_ms,
-        "cpu_steady_with_supervisor_millicores": round(own_steady + sup_ms * polls_per_s, 3),
+        "spawned_cpu_ms_per_poll": spawned["spawned_ms"],
+        "agent_cpu_ms_per_nvidia_smi_run": spawned["agent_ms"],
+        "cpu_steady_with_spawned_millicores": round(own_steady + spawned["spawned_ms"] * polls_per_s, 3),
     }
     save("footprint", res)
     return res

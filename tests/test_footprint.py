@@ -297,3 +297,40 @@ def test_in_cluster_the_agent_reads_no_kubeconfig_loader(control_plane, tmp_path
     r = run_py(INCLUSTER, str(tmp_path / "token"), cp.ca_file, env=env)
     assert r["name"] == "default" and r["light"] is True and r["host"] == cp.host
     assert r["loaded"] == ["kubernetes.config"] and r["config_deferred"], "the config package's __init__ never ran"
+
+
+def test_status_gauge_keeps_one_series_at_1_while_writing_only_what_changes():
+    """gpu_ready_status: every status x reason series exists, exactly the verdict's at 1, across changes; since issue
+    19 a poll whose verdict did not change touches no series (before: all 3 x len(Reason) of them every poll)."""
+    from agent.model import Reason, Status, Verdict
+    from agent.report.metrics import Metrics
+
+    m = Metrics()
+
+    def shown() -> dict[tuple[str, str], float]:
+        return {
+            (s.labels["status"], s.labels["reason"]): s.value
+            for fam in m.registry.collect()
+            if fam.name == "gpu_ready_status"
+            for s in fam.samples
+        }
+
+    touched = 0
+    labels = m.status.labels
+
+    def counting_labels(*values: str) -> Any:
+        nonlocal touched
+        touched += 1
+        return labels(*values)
+
+    m.status.labels = counting_labels  # type: ignore[method-assign]
+    ok = Verdict(Status.TRUE, Reason.GPUS_HEALTHY, "8 GPUs healthy")
+    bad = Verdict(Status.FALSE, Reason.FATAL_XID, "Xid 79")
+    expected_touches = [len(Status) * len(Reason) + 1, 0, 2, 0, 2]
+    for v, expected in zip((ok, ok, bad, bad, ok), expected_touches, strict=True):
+        before = touched
+        m.publish(v, 0)
+        assert touched - before == expected
+        series = shown()
+        assert len(series) == len(Status) * len(Reason)
+        assert [k for k, x in series.items() if x == 1] == [(v.status.value, v.reason.value)]

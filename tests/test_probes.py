@@ -109,8 +109,8 @@ def test_hung_child_is_killed_at_the_timeout(simhost):
 
 
 def test_unreapable_child_is_abandoned_and_no_second_one_starts(simhost, monkeypatch):
-    """A D-state child survives SIGKILL; emulate that by making the agent's kill a no-op (nvidia-smi's
-    supervisor is then never told, and nvidia-smi sleeps on as a D-state one would)."""
+    """A D-state child survives SIGKILL; emulate that by making the agent's kills no-ops (nvidia-smi then
+    sleeps on as a D-state one would)."""
     simhost.set_smi(hang=True, hang_seconds=60)
     r = NvidiaSmiRunner(str(simhost.nvidia_smi), timeout_s=0.5, reap_grace_s=0.3)
     monkeypatch.setattr(os, "kill", lambda *a: None)
@@ -122,7 +122,7 @@ def test_unreapable_child_is_abandoned_and_no_second_one_starts(simhost, monkeyp
     assert [f.kind for f in res.findings] == ["hung"] and str(run.hung_pid) in res.findings[0].message
     assert not res.ran and simhost.smi_call_count() == calls, "no second nvidia-smi while the first lives"
     monkeypatch.undo()
-    os.kill(run.hung_pid, 9)  # the D state ends: the supervisor reaps it and exits
+    os.kill(run.hung_pid, 9)  # the D state ends: the next run reaps it and cleans up after it
     simhost.set_smi()
     res = wait_for(lambda: (x := probe_nvidia_smi(r)).ran and x, 20, what="a fresh nvidia-smi run")
     assert res.count == 8

@@ -31,7 +31,7 @@ class DeviceNodeThresholds:
     require_uvm: bool = True  # /dev/nvidia-uvm (CUDA needs it; nvidia-smi does not)
 
 
-def _char_device(path: Path) -> bool | None:
+def _char_device(path: str) -> bool | None:
     """True: a character device; False: exists but is something else; None: missing."""
     try:
         return stat.S_ISCHR(os.stat(path).st_mode)
@@ -45,11 +45,11 @@ def read_minor_numbers(proc_root: str, gpus: Sequence[PciAddress]) -> dict[PciAd
     """`Device Minor:` from /proc/driver/nvidia/gpus/<bdf>/information (the driver's own mapping);
     GPUs whose file is missing or unparseable are left out."""
     out: dict[PciAddress, int] = {}
-    base = Path(proc_root) / "driver" / "nvidia" / "gpus"
+    base = os.path.join(proc_root, "driver", "nvidia", "gpus")
     for g in gpus:
-        f = base / f"{g.domain:04x}:{g.bus:02x}:{g.device:02x}.0" / "information"
         try:
-            m = _MINOR.search(f.read_text(errors="replace")[:8192])
+            with open(f"{base}/{g.domain:04x}:{g.bus:02x}:{g.device:02x}.0/information", "rb") as fh:
+                m = _MINOR.search(fh.read(8192).decode("utf-8", "replace"))
         except OSError:
             continue
         if m:
@@ -70,7 +70,8 @@ def probe_device_nodes(
     t = thresholds
     if not t.enabled:
         return []
-    root = Path(t.dev_root)
+    root = str(Path(t.dev_root))  # plain strings below (one Path: the same names in messages)
+    at = "" if root == "/" else root  # what a node's name follows
     try:
         names = []
         with os.scandir(root) as it:
@@ -87,12 +88,12 @@ def probe_device_nodes(
     out: list[Finding] = []
 
     def need(name: str, gpu: PciAddress | None = None, what: str = "") -> None:
-        ok = _char_device(root / name)
+        ok = _char_device(f"{at}/{name}")
         if ok is None:
-            text = f"device node {root / name} is missing{what}"
+            text = f"device node {at}/{name} is missing{what}"
             out.append(Finding.fault(Check.DEVICE_NODES, Reason.GPU_DEGRADED, text, gpu, kind="missing"))
         elif not ok:
-            text = f"device node {root / name} is not a character device{what}"
+            text = f"device node {at}/{name} is not a character device{what}"
             out.append(Finding.fault(Check.DEVICE_NODES, Reason.GPU_DEGRADED, text, gpu, kind="not_char"))
 
     need("nvidiactl")
@@ -107,7 +108,7 @@ def probe_device_nodes(
             n
             for name in names
             if (m := _GPU_NODE.match(name)) and (n := int(m.group(1))) not in known
-            if _char_device(root / name)
+            if _char_device(f"{at}/{name}")
         )
         if len(present) < unplaced:
             more = f" more (minor numbers known for {len(known)})" if known else ""
@@ -121,10 +122,10 @@ def probe_device_nodes(
                 )
             )
     if mig_enabled:
-        caps = root / "nvidia-caps"
+        caps = f"{at}/nvidia-caps"
         try:
             with os.scandir(caps) as it:
-                has_cap = any(_char_device(Path(e.path)) for _, e in zip(range(MAX_ENTRIES), it, strict=False))
+                has_cap = any(_char_device(e.path) for _, e in zip(range(MAX_ENTRIES), it, strict=False))
         except FileNotFoundError:
             has_cap = None
         except OSError:

@@ -10,10 +10,11 @@ import select
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult, Reason, Severity
 
@@ -181,16 +182,18 @@ def parse_smi_table(text: str) -> SmiTable:
     by_index: dict[int, SmiGpu] = {}
     by_address: dict[PciAddress, SmiGpu] = {}
     mig_owner: tuple[SmiGpu | None, str] | None = None  # the MIG device whose block we are in
+    lowered = text.lower()  # the per-line searches below only where the whole output holds their words
+    handles, inforom = HANDLE_PREFIX in lowered, INFOROM_PREFIX in lowered
     for line in text.splitlines():
         s = line[:MAX_LINE].rstrip()
         if table.driver_version is None and "Version:" in s and (m := DRIVER_RE.search(s)):
             table.driver_version = m["v"]
         if table.cuda_version is None and "CUDA" in s and (m := CUDA_RE.search(s)):
             table.cuda_version = m["v"]
-        if (h := _address_after(s, HANDLE_PREFIX)) is not None:
+        if handles and (h := _address_after(s, HANDLE_PREFIX)) is not None:
             table.handle_errors.append(h)
             continue
-        if (h := _address_after(s, INFOROM_PREFIX)) is not None:
+        if inforom and (h := _address_after(s, INFOROM_PREFIX)) is not None:
             table.inforom_corrupted.append(h[0])
             continue
         if "MIG devices:" in s:
@@ -331,103 +334,250 @@ class SmiRun:
     output_capped: bool = False  # wrote more than the cap: reading stopped and the run was killed
 
 
-# The supervisor every nvidia-smi runs under (a separate small Python process, `python -I -S -c`). It is a
-# child subreaper (prctl PR_SET_CHILD_SUBREAPER), so every process nvidia-smi leaves behind, even one that
-# called setsid() to leave its process group, is re-parented to the supervisor when its parent exits; after
-# nvidia-smi exits (or on SIGTERM from the agent) the supervisor kills nvidia-smi's process group, then
-# kills and reaps its remaining children until none is left, and exits with nvidia-smi's exit code. It
-# writes `pid N` (or `error ERRNO TEXT`) to the status pipe. It dies with the agent (PR_SET_PDEATHSIG).
-# Only the agent's own nvidia-smi descendants are ever signalled; the agent itself stays an ordinary process.
-SUPERVISOR = r"""
-import ctypes, os, signal, sys
-status_fd, agent_pid, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-except (OSError, AttributeError):
-    pass
-child = 0
-stop = False
-def on_term(signum, frame):
-    global stop
-    stop = True
-    if child:
-        try:
-            os.killpg(child, signal.SIGKILL)
-        except OSError:
-            pass
-signal.signal(signal.SIGTERM, on_term)
-if os.getppid() != agent_pid:
-    sys.exit(125)
-os.set_inheritable(status_fd, False)
-try:
-    child = os.posix_spawn(argv[0], argv, os.environ, setpgroup=0)
-except OSError as e:
-    os.write(status_fd, f"error {e.errno} {e.strerror}\n".encode())
-    sys.exit(127)
-os.write(status_fd, f"pid {child}\n".encode())
-os.close(status_fd)
-if stop:
-    on_term(0, None)
-os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)  # exited, not reaped: its group id cannot be reused yet
-try:
-    os.killpg(child, signal.SIGKILL)
-except OSError:
-    pass
-_, st = os.waitpid(child, 0)
-child = 0
-code = os.waitstatus_to_exitcode(st)
-me = os.getpid()
-def listed():  # this process has one thread, so its task's children file lists its children
-    try:
-        with open(f"/proc/{me}/task/{me}/children", "rb") as fh:
-            return [int(p) for p in fh.read().split()]
-    except OSError:
-        return []
-def scanned():  # the slow, complete way
-    kids = []
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return kids
-    for name in names:
-        if name.isdigit():
+# How nvidia-smi runs, and why this way (issue 19).
+#
+# nvidia-smi is started by the agent itself (subprocess: vfork + exec, no copy of the agent) as the leader of
+# a session and process group of its own, stdin /dev/null, stdout and stderr one pipe, and an environment
+# variable naming this process (SMI_MARKER) that its descendants inherit. While it runs the agent is a child
+# subreaper (prctl PR_SET_CHILD_SUBREAPER; in a container the agent is usually PID 1 and gets orphans anyway),
+# so every process nvidia-smi leaves behind, even one that called setsid() to leave its group, is re-parented
+# to the agent when its parent exits. When nvidia-smi has exited (a pidfd says so while the output is read,
+# so a descendant that keeps the pipe open cannot stall the run), or at the timeout or output cap, the agent
+# kills nvidia-smi's process group (nvidia-smi is not reaped yet, so its group id cannot have been reused),
+# reaps it, then kills and reaps the children it gained that carry the marker (a zombie among them: one that
+# started after nvidia-smi did) until none is left, and drops the subreaper flag again. Only descendants of
+# nvidia-smi are ever signalled: another child of the process (a test process runs this code too) has no
+# marker and is never touched. (The one thing the marker cannot tell: a zombie. In the agent every child is
+# nvidia-smi's; in a process that starts children of its own while a run is in flight, one of them that has
+# exited by the end of the run could be reaped here, and one orphaned during the run becomes its child.) A
+# nvidia-smi that cannot be killed (D state) is abandoned, remembered, and no second one starts while it lives;
+# the flag stays set until it has been reaped and cleaned up after.
+#
+# Measured per run around /bin/true on 2 cores, Python 3.11, in a process the agent's size (38 MiB; CPU of the
+# processes a run starts besides /bin/true, and the agent's own extra CPU; bench.common.spawned_cpu_ms): the
+# former supervisor, a fresh `python -I -S` per run, 17-20 ms; a supervisor forked from the agent (os.fork, no
+# exec, keeping the separate subreaper), 3.6 ms in the child + 1.5 ms in the agent (copying a 38 MiB process's
+# page tables and the copy-on-write faults cost that much even with nothing run in the child: fork + _exit
+# alone measured 1.7 + 1.2 ms); os.posix_spawn from the agent, 0.2-0.3 ms in the agent; subprocess.Popen (this:
+# vfork + exec too, and it closes the descriptors a library may have left inheritable), 0.2-0.3 ms in the
+# agent; in both, 0.0-0.1 ms in other processes (noise).
+SMI_MARKER = "GPU_READY_NVIDIA_SMI_OF"
+PR_SET_CHILD_SUBREAPER = 36
+PR_GET_CHILD_SUBREAPER = 37
+_MAX_ENVIRON = 1 << 18  # bytes of a child's environment searched for the marker
+
+
+class _Subreaper:
+    """PR_SET_CHILD_SUBREAPER for this process while at least one nvidia-smi run (or an abandoned one) needs it;
+    left alone when something else had already set it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._prctl: Any = None
+        self._was_set = False
+
+    def _call(self, option: int, arg: Any) -> int:
+        """prctl(option, arg, 0, 0, 0); arg an int or a ctypes pointer. -1 where it cannot be called."""
+        if self._prctl is None:
             try:
-                with open(f"/proc/{name}/stat", "rb") as fh:
-                    if fh.read().rpartition(b")")[2].split()[1:2] == [str(me).encode()]:
-                        kids.append(int(name))
-            except OSError:
-                pass
-    return kids
-while True:
-    kids = listed()
-    if not kids:
+                import ctypes
+
+                fn = ctypes.CDLL(None, use_errno=True).prctl
+                fn.restype = ctypes.c_int
+                self._prctl = fn
+            except (OSError, AttributeError):
+                self._prctl = False
+        if not self._prctl:
+            return -1
+        import ctypes
+
+        value = ctypes.c_ulong(arg) if isinstance(arg, int) else arg
+        zero = ctypes.c_ulong(0)
+        return int(self._prctl(option, value, zero, zero, zero))
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                import ctypes
+
+                flag = ctypes.c_int(0)
+                self._was_set = self._call(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag)) == 0 and bool(flag.value)
+                if not self._was_set:
+                    self._call(PR_SET_CHILD_SUBREAPER, 1)
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and not self._was_set:
+                self._call(PR_SET_CHILD_SUBREAPER, 0)
+
+
+_SUBREAPER = _Subreaper()
+_TOKEN = f"{os.getpid()}-{os.urandom(6).hex()}"  # this process's nvidia-smi descendants carry it (SMI_MARKER)
+
+
+def _token() -> str:
+    global _TOKEN
+    if not _TOKEN.startswith(f"{os.getpid()}-"):  # a forked copy of the process: a token of its own
+        _TOKEN = f"{os.getpid()}-{os.urandom(6).hex()}"
+    return _TOKEN
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat after the command name: [state, ppid, pgrp, session, ...]; None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read(4096).rpartition(b")")[2].split()
+    except OSError:
+        return None
+
+
+def _own_children() -> set[int]:
+    """Children of this process as its main thread (where the kernel re-parents orphans) and the calling thread
+    (nvidia-smi's parent) list them."""
+    me = os.getpid()
+    out: set[int] = set()
+    for tid in {me, threading.get_native_id()}:
         try:
-            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            break  # no child left at all
-        kids = scanned()
-        if not kids:
-            break  # children exist but cannot be listed (no /proc): nothing more can be done
-    for pid in kids:
-        try:
-            os.kill(pid, signal.SIGKILL)
+            with open(f"/proc/{me}/task/{tid}/children", "rb") as fh:
+                out.update(int(p) for p in fh.read().split())
         except OSError:
             pass
+    return out
+
+
+def _carries_marker(pid: int, marker: bytes) -> bool:
     try:
-        os.waitpid(-1, 0)
-    except ChildProcessError:
-        break
-sys.exit(code if code >= 0 else 128 - code)
-"""
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read(_MAX_ENVIRON)
+    except OSError:
+        return False
+    return env.startswith(marker) or b"\0" + marker in env
+
+
+class SmiProcess:
+    """One nvidia-smi run: its pid (not reaped until cleanup(), so its process group id stays reserved), the
+    read end of its output pipe, a pidfd when the kernel has them."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], out_r: int, before: frozenset[int] = frozenset()) -> None:
+        self.popen, self.pid, self.out_r = popen, popen.pid, out_r
+        self.before = before  # the process's children just before nvidia-smi started
+        self.returncode: int | None = None
+        self.reaped = False
+        st = _stat_fields(self.pid)
+        self.start_ticks = int(st[19]) if st and len(st) > 19 and st[19].isdigit() else 0
+        try:
+            self.pidfd: int | None = os.pidfd_open(self.pid)
+        except (OSError, AttributeError):
+            self.pidfd = None  # kernel before 5.3: exits are polled
+        self._lock = threading.Lock()  # signalling never races the reaping (the group id is not reused)
+
+    def exited(self) -> bool:
+        """True once nvidia-smi has exited (it stays a zombie: not reaped here)."""
+        if self.returncode is not None:
+            return True
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True
+        return info is not None
+
+    def kill_group(self) -> None:
+        with self._lock:
+            if not self.reaped:
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def wait_exit(self, timeout: float) -> bool:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        pause = 0.0005
+        while not self.exited():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self.pidfd is not None:
+                select.select([self.pidfd], [], [], left)
+            else:
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.05)
+        return True
+
+    def cleanup(self) -> int:
+        """After nvidia-smi exited: kill its group, reap it, then kill and reap what it left behind. Returns its
+        exit code (128 + N when killed by signal N)."""
+        self.kill_group()
+        with self._lock:
+            if not self.reaped:
+                try:
+                    _, st = os.waitpid(self.pid, 0)
+                    code = os.waitstatus_to_exitcode(st)
+                except ChildProcessError:
+                    code = 0
+                self.returncode = code if code >= 0 else 128 - code
+                self.popen.returncode = code  # reaped here: Popen must neither wait for it nor warn
+                self.reaped = True
+        marker = f"{SMI_MARKER}={_token()}".encode()
+        for _ in range(10_000):  # each round kills what is there; what they leave comes up the next round
+            kids = [p for p in _own_children() if p != self.pid and p not in self.before]
+            left = []
+            for pid in kids:
+                fields = _stat_fields(pid)
+                if fields is None:
+                    continue
+                zombie = fields[0] == b"Z"
+                started = int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else -1
+                if (zombie and started >= self.start_ticks) or (not zombie and _carries_marker(pid, marker)):
+                    left.append(pid)
+            if not left:
+                break
+            for pid in left:
+                _signal(pid, signal.SIGKILL)
+            for pid in left:
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
+        assert self.returncode is not None
+        return self.returncode
+
+    def close(self) -> None:
+        for fd in (self.out_r, self.pidfd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def spawn_nvidia_smi(exe: str, args: Sequence[str] = ()) -> SmiProcess:
+    """Starts nvidia-smi (see above). The caller holds _SUBREAPER. Raises OSError when it cannot start.
+    subprocess.Popen (vfork + exec, as os.posix_spawn) because it also closes every descriptor but the three
+    standard ones in the child (a library may open some without close-on-exec) and resets SIGPIPE and SIGXFSZ,
+    which Python ignores, to their defaults."""
+    before = frozenset(_own_children())  # a zombie among these is not nvidia-smi's, whenever it started
+    out_r, out_w = os.pipe()
+    marker = SMI_MARKER.encode()
+    env = {marker: _token().encode(), **{k: v for k, v in os.environb.items() if k != marker}}
+    try:
+        popen = subprocess.Popen(
+            [exe, *args], stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w, env=env, start_new_session=True
+        )
+    except BaseException:
+        os.close(out_r)
+        raise
+    finally:
+        os.close(out_w)
+    return SmiProcess(popen, out_r, before)
 
 
 class NvidiaSmiRunner:
-    """Runs nvidia-smi under a hard timeout and an output cap, under a supervisor that leaves no process
-    behind (see SUPERVISOR). On timeout or when the output passes the cap the supervisor is told to kill
-    everything; a run that cannot be reaped (nvidia-smi in D state) is abandoned, and no second nvidia-smi
-    starts while it lives."""
+    """Runs nvidia-smi under a hard timeout and an output cap and leaves no process behind (see
+    spawn_nvidia_smi). On timeout or when the output passes the cap everything is killed; a run that cannot be
+    reaped (nvidia-smi in D state) is abandoned, and no second nvidia-smi starts while it lives."""
 
     def __init__(
         self,
@@ -440,23 +590,28 @@ class NvidiaSmiRunner:
         self.timeout_s = timeout_s
         self.reap_grace_s = reap_grace_s
         self.max_output_bytes = max_output_bytes
-        self._abandoned: tuple[subprocess.Popen[bytes], int] | None = None  # (supervisor, nvidia-smi pid)
-        self._current: subprocess.Popen[bytes] | None = None
+        self._abandoned: SmiProcess | None = None
+        self._current: SmiProcess | None = None
         self._lock = threading.Lock()
 
     def kill_running(self) -> None:
-        """Stops the nvidia-smi in flight, if any, and everything it started (on shutdown)."""
+        """Stops the nvidia-smi in flight, if any, and its group (on shutdown)."""
         p = self._current
-        if p is not None and p.poll() is None:
-            _signal(p.pid, signal.SIGTERM)
+        if p is not None:
+            p.kill_group()
 
     def _still_hung(self) -> int | None:
-        if self._abandoned is None:
+        p = self._abandoned
+        if p is None:
             return None
-        sup, smi_pid = self._abandoned
-        if sup.poll() is None:
-            return smi_pid
-        self._abandoned = None
+        if not p.exited():
+            return p.pid
+        try:
+            p.cleanup()  # the D state ended: reap it and whatever it left
+        finally:
+            p.close()
+            self._abandoned = None
+            _SUBREAPER.release()
         return None
 
     def _resolve(self) -> tuple[str | None, str | None]:
@@ -468,7 +623,8 @@ class NvidiaSmiRunner:
             return None, f"cannot run {self.path!r}: not an executable file"
         return None, f"nvidia-smi not found at {self.path!r}"
 
-    def run(self) -> SmiRun:
+    def run(self, args: Sequence[str] = ()) -> SmiRun:
+        """One nvidia-smi run (`args`: e.g. `-L` for the GPU list with UUIDs); never two at once."""
         with self._lock:
             start = time.monotonic()
             hung = self._still_hung()
@@ -483,47 +639,39 @@ class NvidiaSmiRunner:
             exe, why = self._resolve()
             if exe is None:
                 return SmiRun(None, "", 0.0, error=why)
-            status_r, status_w = os.pipe()
+            _SUBREAPER.acquire()
             try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(status_w), str(os.getpid()), exe],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                    pass_fds=(status_w,),
-                )
+                proc = spawn_nvidia_smi(exe, args)
             except OSError as e:
-                os.close(status_r)
-                return SmiRun(None, "", 0.0, error=f"cannot start nvidia-smi's supervisor: {e.strerror}")
-            finally:
-                os.close(status_w)
+                _SUBREAPER.release()
+                return SmiRun(None, "", time.monotonic() - start, error=f"cannot run {self.path!r}: {e.strerror}")
             self._current = proc
+            abandoned = False
             try:
-                return self._collect(proc, status_r, start)
+                run = self._collect(proc, start)
+                abandoned = self._abandoned is proc
+                return run
             finally:
-                os.close(status_r)
-                if proc.stdout is not None:
-                    proc.stdout.close()
                 self._current = None
+                if not abandoned:
+                    proc.close()
+                    _SUBREAPER.release()
 
-    def _collect(self, proc: subprocess.Popen[bytes], status_r: int, start: float) -> SmiRun:
+    def _collect(self, proc: SmiProcess, start: float) -> SmiRun:
         deadline = start + self.timeout_s
-        out, capped, eof = _read_capped(proc, self.max_output_bytes, deadline)
-        finished = eof and _wait(proc, deadline - time.monotonic())
-        status = _read_status(status_r)
-        if status.startswith("error "):
-            _wait(proc, self.reap_grace_s)
-            return SmiRun(None, "", time.monotonic() - start, error=f"cannot run {self.path!r}: {status[6:].strip()}")
+        out, capped, done = _read_capped(proc, self.max_output_bytes, deadline)
         text = out.decode("utf-8", "replace")
-        if finished:
-            return SmiRun(proc.returncode, text, time.monotonic() - start)
-        # Timed out or wrote too much: the supervisor kills nvidia-smi and everything it started.
-        _signal(proc.pid, signal.SIGTERM)
-        if not _wait(proc, self.reap_grace_s):
-            smi_pid = int(status[4:]) if status.startswith("pid ") and status[4:].strip().isdigit() else proc.pid
-            self._abandoned = (proc, smi_pid)  # nvidia-smi cannot be killed (D state): remember it
-        hung_pid = self._abandoned[1] if self._abandoned is not None and self._abandoned[0] is proc else None
+        if done and proc.wait_exit(deadline - time.monotonic()):
+            code = proc.cleanup()
+            return SmiRun(code, text, time.monotonic() - start)
+        # Timed out or wrote too much: kill its group, then what it left once it is gone.
+        proc.kill_group()
+        hung_pid = None
+        if proc.wait_exit(self.reap_grace_s):
+            proc.cleanup()
+        else:
+            self._abandoned = proc  # nvidia-smi cannot be killed (D state): remember it
+            hung_pid = proc.pid
         return SmiRun(
             None, text, time.monotonic() - start, timed_out=not capped, hung_pid=hung_pid, output_capped=capped
         )
@@ -536,25 +684,23 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    try:
-        proc.wait(timeout=max(timeout, 0.0))
-        return True
-    except subprocess.TimeoutExpired:
-        return False
-
-
-def _read_capped(proc: subprocess.Popen[bytes], cap: int, deadline: float) -> tuple[bytes, bool, bool]:
-    """Reads stdout until EOF, the deadline or the cap: (first `cap` bytes at most, capped, reached EOF)."""
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
+def _read_capped(proc: SmiProcess, cap: int, deadline: float) -> tuple[bytes, bool, bool]:
+    """Reads nvidia-smi's output until it has exited and the pipe is drained (or at end of file), the deadline
+    or the cap: (first `cap` bytes at most, capped, done). A descendant that keeps the pipe open does not hold
+    the run up: once nvidia-smi has exited, what the pipe holds is read and the run is done."""
+    fd = proc.out_r
     buf = bytearray()
+    watch = [fd] if proc.pidfd is None else [fd, proc.pidfd]
+    gone = False
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             return bytes(buf), False, False
-        ready, _, _ = select.select([fd], [], [], left)
-        if not ready:
+        if gone:
+            if not select.select([fd], [], [], 0)[0]:
+                return bytes(buf), False, True  # exited and drained; a descendant may hold the pipe
+        elif fd not in select.select(watch, [], [], left if proc.pidfd is not None else min(left, 0.05))[0]:
+            gone = proc.exited()
             continue
         chunk = os.read(fd, 1 << 16)
         if not chunk:
@@ -563,17 +709,6 @@ def _read_capped(proc: subprocess.Popen[bytes], cap: int, deadline: float) -> tu
             buf += chunk[: cap - len(buf)]
             return bytes(buf), True, False
         buf += chunk
-
-
-def _read_status(fd: int) -> str:
-    """The supervisor's one status line, if it wrote one (never blocks)."""
-    ready, _, _ = select.select([fd], [], [], 0)
-    if not ready:
-        return ""
-    try:
-        return os.read(fd, 512).decode("utf-8", "replace").split("\n", 1)[0]
-    except OSError:
-        return ""
 
 
 def probe_nvidia_smi(runner: NvidiaSmiRunner) -> ProbeResult:

@@ -19,7 +19,6 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, Severity
@@ -82,33 +81,46 @@ def speed_label(gts: float | None) -> str:
     return f"Gen{gen} ({gts:g} GT/s)" if gen else f"{gts:g} GT/s"
 
 
-def read_link(dev: Path) -> PcieLink | None:
+def _read_attr(path: str) -> str | None:
+    """A sysfs attribute (at most 64 bytes) with plain `os` calls; None when it does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        raise
+    try:
+        return os.read(fd, 64).decode("utf-8", "replace").strip()
+    finally:
+        os.close(fd)
+
+
+def read_link(dev: str | os.PathLike[str]) -> PcieLink | None:
     """None when the device exposes none of the link fields; raises LinkUnreadable when a field is
     there but cannot be read or parsed."""
+    dev = os.fspath(dev)
+    name = os.path.basename(dev)
     raw: dict[str, str | None] = {}
-    for name in LINK_FILES:
+    for attr in LINK_FILES:
         try:
-            raw[name] = (dev / name).read_text(errors="replace")[:64].strip()
+            raw[attr] = _read_attr(f"{dev}/{attr}")
         except OSError as e:
-            if e.errno in (errno.ENOENT, errno.ENOTDIR):
-                raw[name] = None
-                continue
-            raise LinkUnreadable(f"{dev.name}/{name}: {e.strerror}") from None
+            raise LinkUnreadable(f"{name}/{attr}: {e.strerror}") from None
     if all(v is None for v in raw.values()):
         return None
     widths: list[int | None] = []
-    for name in ("current_link_width", "max_link_width"):
-        v = raw[name]
+    for attr in ("current_link_width", "max_link_width"):
+        v = raw[attr]
         if v is None:
             widths.append(None)
             continue
         try:
             widths.append(int(v.lstrip("x"), 10))
         except ValueError:
-            raise LinkUnreadable(f"{dev.name}/{name}: cannot parse {v!r}") from None
+            raise LinkUnreadable(f"{name}/{attr}: cannot parse {v!r}") from None
     cs, ms = raw["current_link_speed"], raw["max_link_speed"]
     return PcieLink(
-        dev.name,
+        name,
         widths[0],
         widths[1],
         parse_speed(cs) if cs is not None else None,
@@ -116,15 +128,22 @@ def read_link(dev: Path) -> PcieLink | None:
     )
 
 
-def link_path(sysfs_root: str, gpu: PciAddress) -> list[Path]:
+def link_path(sysfs_root: str, gpu: PciAddress) -> list[str]:
     """The GPU's sysfs directory followed by the PCI devices above it (real path order)."""
-    dev = Path(sysfs_root) / "bus" / "pci" / "devices" / f"{gpu.domain:04x}:{gpu.bus:02x}:{gpu.device:02x}.0"
-    real = Path(os.path.realpath(dev))
+    devices = f"{sysfs_root}/bus/pci/devices"
+    dev = f"{devices}/{gpu.domain:04x}:{gpu.bus:02x}:{gpu.device:02x}.0"
+    try:  # the entry is one relative link into the device tree: one readlink, not realpath's lstat per component
+        target = os.readlink(dev)
+        real = os.path.normpath(os.path.join(devices, target))
+        if os.path.islink(real):
+            real = os.path.realpath(dev)
+    except OSError as e:  # not a link (a plain directory: no device above it in this tree) or gone
+        real = dev if e.errno == errno.EINVAL else os.path.realpath(dev)
     out = [real]
-    parent = real.parent
-    while len(out) <= MAX_BRIDGE_DEPTH and _BDF.match(parent.name):
+    parent = os.path.dirname(real)
+    while len(out) <= MAX_BRIDGE_DEPTH and _BDF.match(os.path.basename(parent)):
         out.append(parent)
-        parent = parent.parent
+        parent = os.path.dirname(parent)
     return out
 
 
@@ -142,12 +161,12 @@ def probe_pcie(
     """One finding per degraded link, naming it; `load` carries NVML utilisation and generations."""
     if not thresholds.enabled:
         return []
-    base = Path(sysfs_root) / "bus" / "pci" / "devices"
-    if not base.is_dir():
+    if not os.path.isdir(os.path.join(sysfs_root, "bus", "pci", "devices")):
         return [Finding.unchecked(Check.PCIE, f"cannot read PCI devices under {sysfs_root}", kind="unavailable")]
     findings: list[Finding] = []
+    seen: dict[str, PcieLink | LinkUnreadable | None] = {}  # a bridge above several GPUs is read once per call
     for gpu in gpus:
-        findings += _probe_gpu(sysfs_root, gpu, thresholds, (load or {}).get(gpu))
+        findings += _probe_gpu(sysfs_root, gpu, thresholds, (load or {}).get(gpu), seen)
     return findings
 
 
@@ -162,14 +181,32 @@ def pcie_result(
     return ProbeResult(Check.PCIE, findings, ran=not any(f.severity is Severity.UNCHECKED for f in findings))
 
 
-def _probe_gpu(sysfs_root: str, gpu: PciAddress, t: PcieThresholds, load: GpuLoad | None) -> list[Finding]:
+def _read_link_once(dev: str, seen: dict[str, PcieLink | LinkUnreadable | None]) -> PcieLink | None:
+    if dev not in seen:
+        try:
+            seen[dev] = read_link(dev)
+        except LinkUnreadable as e:
+            seen[dev] = e
+    got = seen[dev]
+    if isinstance(got, LinkUnreadable):
+        raise got
+    return got
+
+
+def _probe_gpu(
+    sysfs_root: str,
+    gpu: PciAddress,
+    t: PcieThresholds,
+    load: GpuLoad | None,
+    seen: dict[str, PcieLink | LinkUnreadable | None] | None = None,
+) -> list[Finding]:
     path = link_path(sysfs_root, gpu)
     if not t.check_bridges:
         path = path[:1]
     links: list[PcieLink | None] = []
     for dev in path:
         try:
-            links.append(read_link(dev))
+            links.append(_read_link_once(dev, {} if seen is None else seen))
         except LinkUnreadable as e:
             return [Finding(Check.PCIE, Severity.UNCHECKED, f"PCIe link: {e}", None, gpu, "unreadable")]
     if links[0] is None:
