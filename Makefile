@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev testbin test e2e test-fast lint demo bench chart-lint clean gpu-smoke
+.PHONY: dev testbin test e2e test-fast lint demo bench chart-lint clean gpu-smoke protos
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,15 @@ demo: dev testbin
 ##   (no GPUs: prints "no NVIDIA GPU here", exit 0); needs no network, uses .venv when it is there
 gpu-smoke:
 	PY=$(if $(wildcard $(BIN)/python),$(abspath $(BIN)/python),$(PY)) tools/gpu-smoke.sh
+
+## protos: regenerate agent/proto/podresources_v1_pb2.py(i) from the vendored kubelet proto (committed; a test
+##   checks the committed files are what this makes)
+protos: dev
+	cd agent/proto && ../../$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. podresources_v1.proto
+	# the test device plugin's stubs (testkit/deviceplugin.py; grpcio server, tests only), from the repository root
+	# so that the generated *_pb2_grpc.py imports `from testkit.proto import ...`
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
+		testkit/proto/deviceplugin_v1beta1.proto
 
 ## bench: the benchmarks in bench/, one summary table
 bench: dev testbin

@@ -14,11 +14,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from agent.allocation import AllocationMap, InventoryGpu, build_map
 from agent.config import Config
 from agent.kube import KubeApi
-from agent.model import Check, GpuIdentity, Observation, PciAddress, ProbeResult
+from agent.miglayout import judge_mig_layout, node_mig_inputs
+from agent.model import Check, Finding, GpuIdentity, Observation, PciAddress, ProbeResult
 from agent.probes.clocks import ClockEventTracker, ClockThresholds
 from agent.probes.dcgm import DcgmThresholds, dcgm_result
 from agent.probes.device_nodes import DeviceNodeThresholds, device_nodes_result, read_minor_numbers
@@ -29,6 +31,13 @@ from agent.probes.nvml import NvmlProbe, NvmlSnapshot, read_nvml
 from agent.probes.pci import probe_pci
 from agent.probes.pcie import PcieThresholds, pcie_result
 from agent.probes.xid_rate import XidRateThresholds, XidRateTracker
+
+if TYPE_CHECKING:
+    from agent.probes.podresources import PodResourcesRead, PodResourcesReader
+
+
+DRA_EMPTY_RELIST_S = 300.0  # a node without ResourceSlices lists them again after this long (a new DRA driver)
+SMI_LIST_REFRESH_S = 300.0  # `nvidia-smi -L` again at most this often while device IDs stay unplaced
 
 
 @dataclass
@@ -68,7 +77,25 @@ class CheckSuite:
         # What the NVML probe reads for the degradation probes (also on a probe passed in).
         self.nvml.read_load = cfg.pcie and cfg.pcie_speed
         self.nvml.read_clocks = cfg.clock_events
-        self.nvml.read_uuids = cfg.dcgm_exporter is not None
+        self.nvml.read_uuids = cfg.dcgm_exporter is not None or cfg.pod_resources
+        # kubelet's pod-resources API (issue 17): `allocation` is the newest map, None when off or unreadable;
+        # `pod_resources_read` the raw read (its `allocatable_counts`: the pod-resources view of allocatable
+        # devices per resource name, e.g. {"nvidia.com/gpu": 8}, for a later cross-check with node.status).
+        self.allocation: AllocationMap | None = None
+        self._slices: SliceRead | None = None  # the last ResourceSlice LIST, and when (see _gpu_serving)
+        self._slices_at = 0.0
+        self._smi_list: tuple[InventoryGpu, ...] = ()  # `nvidia-smi -L` GPUs (when NVML gives no UUIDs)
+        self._smi_list_key: tuple[tuple[int, PciAddress], ...] = ()
+        self._smi_list_at = 0.0
+        self.mig_pending_since: float | None = None  # when nvidia.com/mig.config.state=pending was first seen
+        self.pod_resources_read: PodResourcesRead | None = None
+        self.pod_resources: PodResourcesReader | None = None
+        if cfg.pod_resources:
+            from agent.probes.podresources import PodResourcesReader  # h2 and protobuf load on the first read
+
+            self.pod_resources = PodResourcesReader(
+                cfg.pod_resources_socket, cfg.pod_resources_timeout, cfg.pod_resources_interval
+            )
         self.clock = clock
         self.started = clock()
         self.pcie = PcieThresholds(cfg.pcie, cfg.pcie_bridges, cfg.pcie_speed, cfg.pcie_busy_utilization)
@@ -114,6 +141,10 @@ class CheckSuite:
             obs.counts.dra = plugin.count if dra else None
             results.append(plugin)
         results += self._degradation(stats, pci, snap, results)
+        if self.pod_resources is not None:
+            t0 = time.monotonic()
+            obs.findings += self._allocation(snap, smi)
+            stats.durations["pod_resources"] = time.monotonic() - t0
         gpus: dict[PciAddress, GpuIdentity] = {}
         for r in results:  # nvidia-smi first: its index and name win
             obs.findings += r.findings
@@ -125,6 +156,18 @@ class CheckSuite:
             for g in r.gpus:
                 gpus.setdefault(g.address, g)
         obs.gpus = gpus
+        if node is not None:  # MIG layout health from the Node's mig-manager labels (agent/miglayout.py)
+            labels, advertised = node_mig_inputs(node)
+            layout = judge_mig_layout(
+                labels,
+                list(gpus.values()),
+                advertised,
+                now=self.clock(),
+                pending_since=self.mig_pending_since,
+                timeout_s=self.cfg.mig_pending_timeout,
+            )
+            self.mig_pending_since = layout.pending_since  # a one-shot `check` never times a pending plan out
+            obs.findings += layout.findings
         return obs, stats
 
     def _degradation(
@@ -167,13 +210,20 @@ class CheckSuite:
     def _gpu_serving(
         self, node: dict[str, Any] | None, node_error: str | None, mig: MigLayout | None, grace: float, pci: ProbeResult
     ) -> ProbeResult:
-        """The device-plugin check, deferring to the node's DRA ResourceSlices where they exist (one LIST per
-        poll from the apiserver's watch cache; probes/dra.py). Keeps the parsed slices for fencing."""
+        """The device-plugin check, deferring to the node's DRA ResourceSlices where they exist (a LIST from the
+        apiserver's watch cache; probes/dra.py): every poll on a node that has slices, every DRA_EMPTY_RELIST_S
+        on a node whose last LIST found none (most nodes: no DRA driver), so a plain device-plugin node costs the
+        API 12 LISTs an hour, not 120. Keeps the parsed slices for fencing."""
         slices: SliceRead | None = None
         name = self.cfg.node_name or ((node or {}).get("metadata") or {}).get("name")
         wanted = self.cfg.dra_counting or self.cfg.fencing  # fencing needs the devices even when not counting
         if wanted and self.api is not None and node is not None and isinstance(name, str):
-            slices = read_node_slices(self.api, name, self.cfg.dra_driver)
+            now, last = self.clock(), self._slices
+            if last is not None and last.ok and not last.items and now - self._slices_at < DRA_EMPTY_RELIST_S:
+                slices = last  # no DRA driver on this node a moment ago
+            else:
+                slices = self._slices = read_node_slices(self.api, name, self.cfg.dra_driver)
+                self._slices_at = now
         self.inventory = node_inventory(slices, self.cfg.dra_driver)
         return probe_gpu_serving(
             node,
@@ -187,6 +237,43 @@ class CheckSuite:
             driver=self.cfg.dra_driver,
             inventory=self.inventory,
         )
+
+    def _smi_inventory(self, snap: NvmlSnapshot | None, smi: ProbeResult) -> tuple[InventoryGpu, ...]:
+        """The GPUs with their UUIDs from `nvidia-smi -L` when NVML gave none (NVML off or not loadable), joined
+        by index to the bus ids of this poll's nvidia-smi table. UUIDs do not change while the GPUs stay, so `-L`
+        runs again only when nvidia-smi's GPUs change, or at most every SMI_LIST_REFRESH_S while the map has
+        device IDs it cannot place (a MIG layout was changed)."""
+        from agent.probes.podresources import parse_smi_list
+
+        if (snap is not None and any(getattr(g, "uuid", None) for g in snap.gpus)) or not smi.ran:
+            return ()
+        key = tuple(sorted((g.index, g.address) for g in smi.gpus if g.index is not None))
+        if not key:
+            return ()
+        now = self.clock()
+        unplaced = self.allocation is not None and bool(self.allocation.unmapped)
+        if key != self._smi_list_key or (unplaced and now - self._smi_list_at >= SMI_LIST_REFRESH_S):
+            run = self.smi.run(("-L",))
+            self._smi_list_key, self._smi_list_at = key, now
+            ok = run.exit_code == 0 and not run.output_capped
+            self._smi_list = parse_smi_list(run.output, dict(key)) if ok else ()
+        return self._smi_list
+
+    def _allocation(self, snap: NvmlSnapshot | None, smi: ProbeResult) -> list[Finding]:
+        """One pod-resources read (at most one per podResourcesInterval) into `self.allocation`. Its findings are
+        INFO only: an unreadable socket sets `allocation` to None and never changes readiness."""
+        from agent.probes.podresources import dra_refs, gpu_inventory
+
+        assert self.pod_resources is not None
+        read, findings = self.pod_resources.read()
+        self.pod_resources_read = read
+        if read is None:
+            self.allocation = None
+            return list(findings)
+        dra = dra_refs(self.inventory.devices) if self.inventory is not None else ()
+        inventory = gpu_inventory(snap.gpus if snap is not None else (), self._smi_inventory(snap, smi), dra=dra)
+        self.allocation = build_map(read.listed, read.allocatable, inventory)
+        return list(findings)
 
     @staticmethod
     def _timed(stats: CycleStats, fn: Callable[[], ProbeResult]) -> ProbeResult:

@@ -1,5 +1,5 @@
 """Command line: `gpu-ready check` (one shot), `gpu-ready run` (the DaemonSet agent),
-`gpu-ready preflight` (onboarding gates)."""
+`gpu-ready gpus` (which pods hold which GPU, from kubelet's pod-resources), `gpu-ready preflight` (onboarding gates)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from typing import Any, NamedTuple
 
 from agent import __version__
 from agent import config as config_mod
+from agent.allocation import AllocationMap
 from agent.checks import CheckSuite
 from agent.kmsg_watch import KmsgSource, KmsgUnavailable, place_events
 from agent.kube import ApiError, KubeApi
 from agent.logs import setup_logging
-from agent.model import Check, Finding, LatchedFault, Status, Verdict, XidEvent
+from agent.model import Check, Finding, LatchedFault, Observation, Status, Verdict, XidEvent
+from agent.report.allocation import gpus_json, render_gpus
 from agent.report.condition import on_node, render_on_node
 from agent.report.fencing import FenceEffect, FenceReporter, FenceResult, FencingSettings
 from agent.verdict import decide
@@ -63,6 +65,10 @@ CHECK_FLAGS = (
     "fencing_max_rules",
     "mig_strategy",
     "replicas",
+    "pod_resources",  # the allocation map (docs/allocation.md)
+    "pod_resources_socket",
+    "pod_resources_timeout",
+    "mig_pending_timeout",
     "condition_type",  # with --node/--node-json: what the Node shows (docs/taints.md)
     "taint_key",
     "kubeconfig",
@@ -132,8 +138,27 @@ def render_table(v: Verdict, xids: list[XidEvent]) -> str:
     return "\n".join(out)
 
 
-def verdict_json(v: Verdict, xids: list[XidEvent], fencing: FenceResult | None = None) -> dict[str, Any]:
-    """`fencing`: the node's DeviceTaintRules and what the agent would change (only with --node); else null."""
+def allocation_of(
+    suite: CheckSuite, obs: Observation, cfg: config_mod.Config
+) -> tuple[AllocationMap | None, str | None]:
+    """The cycle's allocation map, or None and one line saying why (podResources off, or the read failed)."""
+    if suite.allocation is not None:
+        return suite.allocation, None
+    if not cfg.pod_resources:
+        return None, "podResources is off"
+    why = next((f.message for f in obs.findings if f.kind == "pod_resources_unreadable"), "no answer")
+    return None, why.splitlines()[0][:300] if why else "no answer"
+
+
+def verdict_json(
+    v: Verdict,
+    xids: list[XidEvent],
+    fencing: FenceResult | None = None,
+    allocation: tuple[AllocationMap | None, str | None] = (None, "podResources is off"),
+) -> dict[str, Any]:
+    """`fencing`: the node's DeviceTaintRules and what the agent would change (only with --node); else null.
+    `allocation`: the pod-resources map (null when off or unreadable; `allocation_error` says why)."""
+    amap, why = allocation
     return {
         "status": v.status.value,
         "reason": v.reason.value,
@@ -142,6 +167,8 @@ def verdict_json(v: Verdict, xids: list[XidEvent], fencing: FenceResult | None =
         "counts": v.counts.as_dict(),
         "xids": [x.to_json() for x in xids],
         "fencing": fencing.to_json() if fencing is not None else None,
+        "allocation": amap.to_json() if amap is not None else None,
+        "allocation_error": None if amap is not None else why,
     }
 
 
@@ -233,11 +260,36 @@ def cmd_check(args: argparse.Namespace) -> int:
     fencing = preview_fencing(api, args.node, cfg, v, suite) if api is not None and node is not None else None
     shown = on_node(node, cfg.condition_type, cfg.taint_key) if node is not None else None
     if args.json:
-        print(json.dumps({**verdict_json(v, xids, fencing), "node": shown}, indent=2))
+        print(json.dumps({**verdict_json(v, xids, fencing, allocation_of(suite, obs, cfg)), "node": shown}, indent=2))
     else:
         lines = [render_table(v, xids), *(render_on_node(shown) if shown else [])]
         print("\n".join([*lines, *(render_fencing(fencing) if fencing is not None else [])]))
     return EXIT[v.status]
+
+
+def cmd_gpus(args: argparse.Namespace) -> int:
+    """One read of pod-resources plus the GPU inventory (the same code path as `check`): the table or JSON. Exit 2
+    with one line when pod-resources cannot be read; 0 otherwise (health is shown, not the exit code)."""
+    cfg = config_mod.load(args, overrides={"pod_resources": True})
+    setup_logging(cfg.log_format, cfg.log_level)
+    suite = CheckSuite(cfg)
+    obs, _stats = suite.run(None, None, plugin_grace_s=0.0)
+    amap, why = allocation_of(suite, obs, cfg)
+    if amap is None:
+        print(f"gpu-ready: cannot read pod-resources at {cfg.pod_resources_socket}: {why}", file=sys.stderr)
+        return 2
+    log = read_kernel_log(cfg)  # a GPU with a fatal Xid in this boot's log is shown UNHEALTHY, as `check` does
+    if log.problem is not None:
+        obs.findings.append(log.problem)
+    now = time.time()
+    v = decide(
+        obs, [LatchedFault(x.xid, x.raw_address, x.address, x.source, x.text, now) for x in log.events if x.fatal]
+    )
+    if args.json:
+        print(json.dumps(gpus_json(amap, v), indent=2))
+    else:
+        print(render_gpus(amap, v))
+    return 0
 
 
 def build_parser(with_preflight: bool = True) -> argparse.ArgumentParser:
@@ -253,6 +305,12 @@ def build_parser(with_preflight: bool = True) -> argparse.ArgumentParser:
     src.add_argument("--node-json", help="a saved `kubectl get node -o json`")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=cmd_check)
+    g = sub.add_parser(
+        "gpus", help="which pods hold which GPU (kubelet pod-resources): a table of every GPU and a summary line"
+    )
+    config_mod.add_flags(g, CHECK_FLAGS)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=cmd_gpus)
     r = sub.add_parser("run", help="the DaemonSet agent: check every poll, patch GPUReady, emit Events, serve /metrics")
     config_mod.add_flags(r)
     r.set_defaults(func=_run)

@@ -172,6 +172,13 @@ def dns_subdomain(v: Any) -> str:
     return s
 
 
+def absolute_path(v: Any) -> str:
+    s = to_str(v)
+    if not s.startswith("/"):
+        raise ValueError(f"expected an absolute path, got {_show(v)}")
+    return s
+
+
 def label_key(v: Any) -> str:
     s = to_str(v)
     prefix, _, name = s.rpartition("/")
@@ -348,6 +355,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("xid_fatal", to_int_list, (), "Xids fatal in addition to the catalog's (comma list)"),
     Setting("xid_ignore", to_int_list, (), "Xids never fatal (comma list)"),
     Setting("unknown_xid_fatal", to_bool, True, "treat Xids missing from the catalog as fatal"),
+    # kubelet's pod-resources API: the per-GPU allocation map (issue 17, agent/allocation.py)
+    Setting("pod_resources", to_bool, False, "read kubelet's pod-resources API each poll: which pods hold which GPU"),
+    Setting(
+        "pod_resources_socket",
+        absolute_path,
+        "/var/lib/kubelet/pod-resources/kubelet.sock",
+        "kubelet's pod-resources socket (mount its directory: kubelet re-creates the socket)",
+    ),
+    Setting("pod_resources_interval", positive(to_float, DAY), 1.0, "read pod-resources at most this often, seconds"),
+    Setting("pod_resources_timeout", positive(to_float, 600), 5.0, "timeout for one pod-resources call, seconds"),
     # DRA-aware counting and per-GPU fencing (issue 16, docs/fencing.md)
     Setting("dra_counting", to_bool, True, "count GPUs from the node's DRA ResourceSlices where they exist"),
     Setting("dra_driver", dns_subdomain, "gpu.nvidia.com", "DRA driver whose devices are counted and fenced"),
@@ -379,6 +396,12 @@ SETTINGS: tuple[Setting, ...] = (
         non_negative(to_float, DAY),
         300.0,
         "seconds after start before a missing device-plugin resource is a fault",
+    ),
+    Setting(
+        "mig_pending_timeout",
+        positive(to_float, DAY),
+        600.0,
+        "seconds nvidia.com/mig.config.state may stay pending before it is a MigConfigFailed fault",
     ),
     Setting(
         "event_interval", non_negative(to_float, DAY), 300.0, "at most one Event per reason and GPU per this many s"
@@ -460,6 +483,10 @@ class Config:
     xid_fatal: tuple[int, ...]
     xid_ignore: tuple[int, ...]
     unknown_xid_fatal: bool
+    pod_resources: bool
+    pod_resources_socket: str
+    pod_resources_interval: float
+    pod_resources_timeout: float
     dra_counting: bool
     dra_driver: str
     fencing: bool
@@ -471,6 +498,7 @@ class Config:
     mig_strategy: str
     replicas: int | None
     plugin_grace: float
+    mig_pending_timeout: float
     event_interval: float
     event_namespace: str
     metrics_address: str

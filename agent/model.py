@@ -65,6 +65,7 @@ class Reason(StrEnum):
     NVIDIA_SMI_ERR = "NvidiaSmiErr"
     GPU_COUNT_MISMATCH = "GPUCountMismatch"
     DEVICE_PLUGIN_UNHEALTHY = "DevicePluginUnhealthy"
+    MIG_CONFIG_FAILED = "MigConfigFailed"  # mig-manager's plan failed, is stuck pending, or is not what exists
     GPU_DEGRADED = "GPUDegraded"  # the GPU works but slower or half-usable (issue 18); below the hard faults
     PREFLIGHT_NOT_PASSED = "PreflightNotPassed"
     CHECK_FAILED = "CheckFailed"
@@ -85,6 +86,8 @@ class Check(StrEnum):
     CLOCKS = "clocks"
     XID_RATE = "xid_rate"
     DCGM = "dcgm"
+    POD_RESOURCES = "pod_resources"  # kubelet pod-resources (the allocation map; INFO only)
+    MIG_LAYOUT = "mig_layout"  # nvidia.com/mig.config against the MIG instances (agent/miglayout.py)
 
 
 class Severity(StrEnum):

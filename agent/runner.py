@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from agent import config as config_mod
+from agent.allocation import AllocationMap
 from agent.checks import CheckSuite
 from agent.config import Config, ConfigError
 from agent.kmsg_watch import KernelLogIngest, KmsgSource, KmsgWatcher
@@ -24,6 +25,8 @@ from agent.kube import ApiError, ApiHealth, KubeApi
 from agent.logs import get_logger
 from agent.model import Check, Finding, Observation, Reason, Status, Verdict
 from agent.node_cache import NodeCache, first_write_delay, heartbeat_delay
+from agent.report.allocation import EVENT_REASON as POD_EVENT_REASON
+from agent.report.allocation import BlastRadius, PodUids, affected_note
 from agent.report.condition import ConditionReporter, find_condition
 from agent.report.events import EventPublisher, EventReporter
 from agent.report.fencing import FenceEffect, FenceMetrics, FenceReporter, FenceWorker, FencingSettings
@@ -63,6 +66,10 @@ class Agent:
         events = EventReporter(
             self.api, self.node, cfg.event_interval, cfg.event_namespace, on_write=lambda r: m.events.labels(r).inc()
         )
+        # the blast radius (docs/allocation.md): Events on the Pods holding a GPU that turned bad, with their UIDs
+        self.blast = BlastRadius(self.node)
+        if self.pod_resources_on:
+            events.uid_of = PodUids(self.api)
         dropped = m.events_dropped
         self.events = EventPublisher(
             events, min(30.0, cfg.poll_interval), self.log, on_drop=lambda code: dropped.labels(str(code)).inc()
@@ -175,6 +182,9 @@ class Agent:
         if self.kmsg.problem is not None:
             obs.findings.append(Finding.unchecked(Check.XID, self.kmsg.problem, kind="kmsg_unavailable"))
             self.metrics.check_failures.labels("xid").inc()
+        self.metrics.allocation.publish(
+            self.allocation, enabled=self.pod_resources_on, read_seconds=stats.durations.get("pod_resources")
+        )
         self.obs = obs
         self.cycles += 1
         self.last_cycle_mono = time.monotonic()
@@ -237,9 +247,22 @@ class Agent:
             self.log.info("level signals clean", polls=self.cfg.recovery_polls)
         return v
 
+    @property
+    def pod_resources_on(self) -> bool:
+        return self.cfg.pod_resources
+
+    @property
+    def allocation(self) -> AllocationMap | None:
+        """The newest cycle's allocation map (pod-resources); None when off or unreadable."""
+        return self.suite.allocation
+
     def publish(self, v: Verdict) -> None:
         v = self._fence(v)
+        amap = self.allocation
+        v = with_note(v, affected_note(v, amap))  # "...; 3 pods on the affected GPUs"
         self.metrics.publish(v, len(self.state.snapshot()))
+        for pe in self.blast.step(v, amap):  # one Event per pod holding a GPU that turned bad, per transition
+            self.events.record(POD_EVENT_REASON, pe.note, pe.key, "Warning", "Detected", pe.regarding())
         gpus = self.obs.gpus if self.obs else {}
         for ev in self.kmsg.take_fresh():
             where = gpu_label(ev.address, gpus) if ev.address else f"NVSwitch {ev.raw_address}"

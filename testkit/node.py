@@ -29,6 +29,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -329,6 +330,7 @@ class RealNode:
         self.host: HostRecord | None = None
         self.containerd: subprocess.Popen[bytes] | None = None
         self.kubelet: subprocess.Popen[bytes] | None = None
+        self.kubelet_args: list[str] = []  # the command line of the running kubelet (restart_kubelet reuses it)
         self.start_seconds: dict[str, float] = {}
         self.undone: list[str] = []
         self._made_cgroups: list[Path] = []
@@ -541,6 +543,7 @@ resolvConf: /etc/resolv.conf
         ]
         if labels:
             args.append(f"--node-labels={labels}")
+        self.kubelet_args = args
         log = open(self.workdir / "kubelet.log", "ab")  # noqa: SIM115 - owned by the child
         self.kubelet = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
@@ -580,6 +583,51 @@ resolvConf: /etc/resolv.conf
                 raise AssertionError(f"{e}\n{self.log_tail('kubelet')}") from None
         finally:
             api.close()
+
+    def restart_kubelet(self, timeout_s: float = 120.0) -> float:
+        """Stops the kubelet process and starts it again with the same command line, as a node upgrade or a
+        crash-restart does; pods keep running in containerd. Waits until kubelet serves new device-plugin
+        registration and pod-resources sockets (it re-creates both) and its healthz answers. Returns seconds."""
+        assert self.kubelet is not None and self.kubelet_args, "kubelet not started"
+        t0 = time.monotonic()
+        # The device manager's registration socket is at a fixed path whatever --root-dir is (pluginapi.KubeletSocket);
+        # pod-resources is under the root directory.
+        socks = [
+            Path("/var/lib/kubelet/device-plugins/kubelet.sock"),
+            self.kubelet_root / "pod-resources" / "kubelet.sock",
+        ]
+
+        def inode(p: Path) -> tuple[int, int] | None:  # a new file may get the old inode number: ctime too
+            try:
+                st = p.stat()
+                return st.st_ino, st.st_ctime_ns
+            except OSError:
+                return None
+
+        before = [inode(p) for p in socks]
+        terminate_group(self.kubelet)
+        log = open(self.workdir / "kubelet.log", "ab")  # noqa: SIM115 - owned by the child
+        self.kubelet = subprocess.Popen(
+            self.kubelet_args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        log.close()
+        port = re.search(r"^healthzPort: (\d+)$", (self.workdir / "kubelet.yaml").read_text(), re.M)
+
+        def up() -> bool:
+            if self.kubelet is not None and self.kubelet.poll() is not None:
+                raise RuntimeError(f"kubelet exited after restart:\n{self.log_tail('kubelet')}")
+            if any(inode(p) in (None, b) for p, b in zip(socks, before, strict=True)):
+                return False
+            if port is None:
+                return True
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/healthz", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(up, timeout_s, 0.1, "kubelet to come back with new sockets")
+        return time.monotonic() - t0
 
     # -- helpers ----------------------------------------------------------------------------------------
 

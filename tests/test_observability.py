@@ -99,6 +99,14 @@ def exported_names() -> set[str]:
     m.events.labels("FatalXid").inc()
     m.check_duration.labels("pci").observe(0.01)
     m.taints.observe(())  # gpu_ready_taint{effect}: set from the first Node read
+    # the allocation map's series (issue 17): published only with podResources on
+    from agent.allocation import ContainerAllocation, PodRef, ResourceDevices, build_map, inventory_from
+    from agent.model import PciAddress
+
+    held = ContainerAllocation(PodRef("ns", "p", "c"), (ResourceDevices("nvidia.com/gpu", ("GPU-a",)),))
+    inv = inventory_from([("GPU-a", PciAddress(0, 0x19, 0), 0, [])])
+    whole = [ResourceDevices("nvidia.com/gpu", ("GPU-a",))]
+    m.allocation.publish(build_map([held], whole, inv), enabled=True, read_seconds=0.01)
     text = generate_latest(m.registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 

@@ -127,13 +127,14 @@ def test_reason_order(first, second):
 
 
 def test_documented_order_is_exact():
-    assert [r.value for r in FAULT_REASONS][:8] == [
+    assert [r.value for r in FAULT_REASONS][:9] == [
         "FatalXid",
         "NvidiaSmiFailed",
         "NvmlHealth",
         "NvidiaSmiErr",
         "GPUCountMismatch",
         "DevicePluginUnhealthy",
+        "MigConfigFailed",
         "GPUDegraded",
         "PreflightNotPassed",
     ]

@@ -50,6 +50,8 @@ class NvmlGpu:
     load: GpuLoad | None = None  # read when the probe was asked for PCIe load
     clock: ClockSample | None = None  # read when the probe was asked for clock events
     uuid: str | None = None  # read when the probe was asked for UUIDs
+    # (MIG handle index, "MIG-..." UUID) per MIG device, read with the UUIDs (the pod-resources allocation map)
+    mig_uuids: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -216,10 +218,15 @@ class NvmlProbe:
             if gpu.mig_enabled:
                 for k in range(self._call(nv.nvmlDeviceGetMaxMigDeviceCount, h)):
                     try:
-                        self._call(nv.nvmlDeviceGetMigDeviceHandleByIndex, h, k)
+                        mh = self._call(nv.nvmlDeviceGetMigDeviceHandleByIndex, h, k)
                         gpu.mig_devices += 1
                     except nv.NVMLError:
                         continue
+                    if self.read_uuids:
+                        try:
+                            gpu.mig_uuids.append((k, _text(self._call(nv.nvmlDeviceGetUUID, mh))))
+                        except nv.NVMLError:
+                            pass  # that MIG device's IDs stay unmapped in the allocation map
         except nv.NVMLError:
             pass
         if self.check_nvlink:

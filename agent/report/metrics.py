@@ -19,6 +19,7 @@ from prometheus_client import (
 
 from agent import __version__
 from agent.model import Check, PciAddress, Reason, Status, Verdict, XidEvent
+from agent.report.allocation import AllocationMetrics
 from agent.report.taints import TaintMetrics
 
 disable_created_metrics()  # *_created series double the series count and nothing here uses them
@@ -104,12 +105,16 @@ class Metrics:
         )
         self.build_info.labels(__version__).set(1)
         self.taints = TaintMetrics(r)  # gpu_ready_taint{effect}, gpu_ready_taint_changes_total (docs/taints.md)
+        # gpu_ready_gpu_{slots,allocated_slots,pods,fenced}{pci_bus_id}, free whole GPUs, packing ratio, ... from
+        # pod-resources (docs/allocation.md); absent while podResources is off
+        self.allocation = AllocationMetrics(r)
         for c in CHECKS:
             self.check_failures.labels(c)
         self.smi_timeouts.inc(0)
         self.state_write_failures.inc(0)
         self._xid_children: dict[tuple[int, str, bool], Any] = {}
         self._gpu_labels: set[tuple[str, str, str]] = set()
+        self._status_shown: tuple[str, str] | None = None  # the gpu_ready_status series at 1
 
     def observe_xid(self, ev: XidEvent, n: int = 1) -> None:
         self.observe_xid_key((ev.xid, ev.raw_address, ev.fatal), n)
@@ -126,9 +131,16 @@ class Metrics:
         self.api_requests.labels(verb, str(code)).inc()
 
     def publish(self, v: Verdict, latched: int) -> None:
-        for s in Status:
-            for r in Reason:
-                self.status.labels(s.value, r.value).set(1 if (s is v.status and r is v.reason) else 0)
+        shown = (v.status.value, v.reason.value)
+        if shown != self._status_shown:  # every status x reason series once, then only the two that change
+            if self._status_shown is None:
+                for s in Status:
+                    for r in Reason:
+                        self.status.labels(s.value, r.value).set(0)
+            else:
+                self.status.labels(*self._status_shown).set(0)
+            self.status.labels(*shown).set(1)
+            self._status_shown = shown
         now = set()
         for g in v.gpus:
             key = ("" if g.index is None else str(g.index), g.pci_bus_id, (g.name or "")[:64])

@@ -35,6 +35,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{- /* "true" when the agent reads pod-resources (podResources.enabled, or config.podResources), else "". */ -}}
+{{- define "gpu-ready.podResources" -}}
+{{- if or .Values.podResources.enabled (eq (toString (index .Values.config "podResources")) "true") -}}true{{- end -}}
+{{- end -}}
+
 {{- define "gpu-ready.preflightName" -}}
 {{- printf "%s-preflight" (include "gpu-ready.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}

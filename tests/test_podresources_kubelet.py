@@ -1,0 +1,211 @@
+"""The pod-resources client against the real kubelet (issue 17): `List` and `GetAllocatableResources` over the
+kubelet's own socket, with the pure-Python gRPC client (agent/probes/grpc_unix.py). No device plugin is registered
+here, so List returns the pods with no devices (helper B's tests register a test device plugin).
+
+Also measures the cost of one read (CPU ms in this process) and the RSS the agent process gains when h2, protobuf
+and the client load (a fresh interpreter that imports the `run` path first)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agent.allocation import build_map, inventory_from
+from agent.kube import KubeApi
+from agent.model import PciAddress
+from agent.probes.grpc_unix import unary_call
+from agent.probes.podresources import LIST, PodResourcesReader
+from testkit.controlplane import REPO
+from testkit.controlplane import testbin_dir as find_testbin
+from testkit.harness import wait_for
+from testkit.node import (
+    NODE_CONTROLLERS,
+    NodeControlPlane,
+    RealNode,
+    build_containerd,
+    build_images,
+    kubelet_binary,
+    missing_tools,
+)
+
+pytestmark = [pytest.mark.node, pytest.mark.slow]
+
+IN_CI = os.environ.get("CI") == "true"
+NODE = "gpu-node-podres"
+FIGURES: dict[str, float] = {}
+
+
+def _skip_or_fail(msg: str) -> None:
+    if IN_CI:
+        pytest.fail(msg + " -- under CI=true a missing prerequisite fails the run", pytrace=False)
+    pytest.skip(msg)
+
+
+@dataclass
+class Kubelet:
+    node: RealNode
+    api: KubeApi
+    pause: str
+
+    @property
+    def socket(self) -> Path:
+        return self.node.kubelet_root / "pod-resources" / "kubelet.sock"
+
+
+@pytest.fixture(scope="module")
+def kubelet() -> Iterator[Kubelet]:
+    if os.geteuid() != 0:
+        _skip_or_fail("the real node needs root (kubelet, containerd, cgroups, mounts)")
+    missing = missing_tools()
+    if missing:
+        _skip_or_fail(f"Debian packages missing for the real node: {' '.join(missing)}")
+    bd, kubelet_bin = find_testbin(), kubelet_binary()
+    if bd is None or not (bd / "kube-apiserver").exists() or kubelet_bin is None or not kubelet_bin.exists():
+        _skip_or_fail("kube-apiserver/kubelet not built; run tools/k8s-testbin/build.sh")
+    assert bd is not None and kubelet_bin is not None
+    containerd_bin, images = build_containerd(), build_images()
+    cp = NodeControlPlane(NODE, bd)
+    node: RealNode | None = None
+    api: KubeApi | None = None
+    try:
+        cp.start()
+        cp.start_controller_manager(NODE_CONTROLLERS)
+        node = RealNode(cp, kubelet_bin, containerd_bin, pause_image=images.pause)
+        node.start()
+        node.wait_schedulable()
+        node.load_image(images.pause_tar, images.pause)
+        api = cp.admin()
+        yield Kubelet(node, api, images.pause)
+    finally:
+        if api is not None:
+            api.close()
+        if node is not None:
+            node.stop()
+            left = node.leftovers()
+            node.cleanup_workdir()
+            print("\n[pod-resources] figures: " + "; ".join(f"{k}: {v:.2f}" for k, v in FIGURES.items()))
+            assert not left, f"host changes left after stop: {left}"
+        cp.stop()
+
+
+def _pod(name: str, image: str) -> dict[str, object]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "nodeName": NODE,
+            "hostNetwork": True,
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "idle", "image": image, "imagePullPolicy": "Never"}],
+        },
+    }
+
+
+def test_list_and_allocatable_from_the_real_kubelet(kubelet: Kubelet) -> None:
+    sock = kubelet.socket
+    wait_for(sock.exists, 60, 0.2, "kubelet's pod-resources socket")
+    kubelet.api.request("POST", "/api/v1/namespaces/default/pods", _pod("podres-idle", kubelet.pause))
+
+    def running() -> bool:
+        p = kubelet.api.request("GET", "/api/v1/namespaces/default/pods/podres-idle")
+        return bool(p.get("status", {}).get("phase") == "Running")
+
+    wait_for(running, 240, 0.5, "the idle pod Running")
+    reader = PodResourcesReader(str(sock), timeout=10.0, min_interval=0.0)
+
+    def listed() -> bool:
+        read, findings = reader.read()
+        assert not findings, findings  # the socket answers: no 'not read' finding
+        return read is not None and read.pods >= 1
+
+    wait_for(listed, 60, 0.5, "kubelet lists the pod")
+    read, _ = reader.read()
+    assert read is not None
+    assert read.listed == ()  # no container holds a device: no device plugin is registered
+    assert read.allocatable_counts == {}  # and none is allocatable
+
+    # The raw answer names the pod and its container (the client decodes kubelet's real bytes).
+    from agent.proto import podresources_v1_pb2 as pb
+
+    msg = pb.ListPodResourcesResponse.FromString(unary_call(str(sock), LIST, b"", 10.0))
+    pods = {(p.namespace, p.name): [c.name for c in p.containers] for p in msg.pod_resources}
+    assert pods.get(("default", "podres-idle")) == ["idle"], pods
+
+    # With no allocatable device, every GPU of an inventory is fenced and nothing is unmapped.
+    amap = build_map(read.listed, read.allocatable, inventory_from([("GPU-a", PciAddress(0, 0x3B, 0), 0, ())]))
+    assert (amap.fenced, amap.free_whole, amap.unmapped, amap.packing_ratio) == (1, 0, (), None)
+
+    # Cost of one read (List + GetAllocatableResources, a new connection each), CPU in this process. kubelet
+    # rate-limits the endpoint (token bucket: a burst of 10 calls, then 100 per second): a read it refuses is an
+    # INFO finding naming RESOURCE_EXHAUSTED, and the read is taken again when the bucket has refilled.
+    n, cpu, wall, refused = 10, 0.0, 0.0, []
+
+    def one_read() -> bool:
+        nonlocal cpu, wall
+        c0, w0 = time.process_time(), time.monotonic()
+        got, why = reader.read()
+        if got is None:
+            refused.extend(f.message for f in why)
+            return False
+        cpu += time.process_time() - c0
+        wall += time.monotonic() - w0
+        return True
+
+    for _ in range(n):
+        wait_for(one_read, 30, 0.05, "a pod-resources read kubelet does not rate-limit")
+    assert all("RESOURCE_EXHAUSTED" in m for m in refused), refused  # refusals are the rate limit, nothing else
+    FIGURES["one read CPU ms"] = cpu / n * 1000
+    FIGURES["one read wall ms"] = wall / n * 1000
+    FIGURES["reads refused by kubelet's rate limit"] = len(refused)
+
+
+def test_a_missing_socket_is_a_clear_info_finding(kubelet: Kubelet, tmp_path: Path) -> None:
+    reader = PodResourcesReader(str(tmp_path / "absent.sock"), timeout=2.0, min_interval=0.0)
+    read, findings = reader.read()
+    assert read is None
+    assert [f.severity.value for f in findings] == ["info"]
+    assert "cannot connect" in findings[0].message and "absent.sock" in findings[0].message
+
+
+RSS_SCRIPT = r"""
+import json, sys, time
+def rss():
+    with open("/proc/self/status") as fh:
+        return {k: int(v.split()[0]) / 1024 for k, v in (l.split(":", 1) for l in fh) if k in ("VmRSS", "VmHWM")}
+from agent import cli
+import agent.runner, agent.checks
+before = rss()
+from agent.probes.podresources import PodResourcesReader
+r = PodResourcesReader(sys.argv[1], timeout=10.0, min_interval=0.0)
+read, findings = r.read()
+after = rss()
+print(json.dumps({"ok": read is not None, "findings": [f.message for f in findings],
+                  "before": before["VmRSS"], "after": after["VmRSS"], "hwm": after["VmHWM"]}))
+"""
+
+
+def test_rss_the_agent_gains_with_pod_resources_on(kubelet: Kubelet) -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(kubelet.socket)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"], out["findings"]
+    gained = out["after"] - out["before"]
+    FIGURES["RSS added by h2+protobuf+client MiB"] = gained
+    FIGURES["agent RSS with pod-resources on MiB"] = out["after"]
+    assert gained < 12.0, f"pod-resources added {gained:.1f} MiB RSS (grpcio adds ~21)"
