@@ -34,6 +34,7 @@ from agent.probes.xid_rate import XidRateThresholds, XidRateTracker
 
 if TYPE_CHECKING:
     from agent.probes.podresources import PodResourcesRead, PodResourcesReader
+    from agent.slice_cache import SliceCache
 
 
 DRA_EMPTY_RELIST_S = 300.0  # a node without ResourceSlices lists them again after this long (a new DRA driver)
@@ -82,6 +83,7 @@ class CheckSuite:
         # `pod_resources_read` the raw read (its `allocatable_counts`: the pod-resources view of allocatable
         # devices per resource name, e.g. {"nvidia.com/gpu": 8}, for a later cross-check with node.status).
         self.allocation: AllocationMap | None = None
+        self.slice_cache: SliceCache | None = None  # the node's slices from a watch (the runner's); None: LIST
         self._slices: SliceRead | None = None  # the last ResourceSlice LIST, and when (see _gpu_serving)
         self._slices_at = 0.0
         self._smi_list: tuple[InventoryGpu, ...] = ()  # `nvidia-smi -L` GPUs (when NVML gives no UUIDs)
@@ -210,16 +212,20 @@ class CheckSuite:
     def _gpu_serving(
         self, node: dict[str, Any] | None, node_error: str | None, mig: MigLayout | None, grace: float, pci: ProbeResult
     ) -> ProbeResult:
-        """The device-plugin check, deferring to the node's DRA ResourceSlices where they exist (a LIST from the
-        apiserver's watch cache; probes/dra.py): every poll on a node that has slices, every DRA_EMPTY_RELIST_S
-        on a node whose last LIST found none (most nodes: no DRA driver), so a plain device-plugin node costs the
-        API 12 LISTs an hour, not 120. Keeps the parsed slices for fencing."""
+        """The device-plugin check, deferring to the node's DRA ResourceSlices where they exist: from the runner's
+        watch (slice_cache.py, no request) while it is kept; else a LIST from the apiserver's watch cache
+        (probes/dra.py): every poll on a node that has slices, every DRA_EMPTY_RELIST_S on a node whose last LIST
+        found none (most nodes: no DRA driver), so a plain device-plugin node costs the API 12 LISTs an hour, not
+        120. Keeps the parsed slices for fencing."""
         slices: SliceRead | None = None
         name = self.cfg.node_name or ((node or {}).get("metadata") or {}).get("name")
         wanted = self.cfg.dra_counting or self.cfg.fencing  # fencing needs the devices even when not counting
         if wanted and self.api is not None and node is not None and isinstance(name, str):
             now, last = self.clock(), self._slices
-            if last is not None and last.ok and not last.items and now - self._slices_at < DRA_EMPTY_RELIST_S:
+            cached = self.slice_cache.items() if self.slice_cache is not None else None
+            if cached is not None:
+                slices = cached  # the runner's watch (slice_cache.py): no request
+            elif last is not None and last.ok and not last.items and now - self._slices_at < DRA_EMPTY_RELIST_S:
                 slices = last  # no DRA driver on this node a moment ago
             else:
                 slices = self._slices = read_node_slices(self.api, name, self.cfg.dra_driver)

@@ -1,9 +1,9 @@
 """`gpu-ready run`: the DaemonSet agent. This module only schedules.
 
-The loop thread runs every level check each poll (the Node from a watch's cache: node_cache.py) and, after each cycle or
-kernel-log wake, asks the readiness policy (verdict.py) for the verdict and hands it to the reporters. The
-kernel-log watcher (kmsg_watch.py) and the Event publisher (report/events.py) run on their own threads;
-the main thread only waits for SIGTERM/SIGINT."""
+The loop thread runs every level check each poll (the Node from a watch's cache: node_cache.py; the node's DRA
+ResourceSlices from another: slice_cache.py) and, after each cycle or kernel-log wake, asks the readiness policy
+(verdict.py) for the verdict and hands it to the reporters. The kernel-log watcher (kmsg_watch.py) and the Event
+publisher (report/events.py) run on their own threads; the main thread only waits for SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from agent.report.fencing import FenceEffect, FenceMetrics, FenceReporter, Fence
 from agent.report.metrics import Metrics
 from agent.report.server import HealthServer
 from agent.report.taints import TaintMode, TaintPlan, TaintReporter, TaintSettings
+from agent.slice_cache import SliceCache
 from agent.state import LatchState, read_boot_id, read_boot_time
 from agent.verdict import GateState, NodeFacts, RecoveryGate, adopt, decide_clear, gpu_label, node_facts, with_note
 from agent.xid import KernelLogParser, XidClassifier
@@ -106,6 +107,12 @@ class Agent:
             if cfg.node_watch
             else None
         )
+        # the node's DRA ResourceSlices from a watch too (slice_cache.py): a poll reads them without a LIST; slices
+        # change rarely, so each watch lasts twice the Node's (20-40 min, the apiserver's own default is 30-60)
+        if cfg.node_watch and (cfg.dra_counting or cfg.fencing):
+            self.suite.slice_cache = SliceCache(
+                self.api, self.node, cfg.dra_driver, watch_timeout_s=2 * cfg.node_watch_timeout, rng=self.rng
+            )
         self.first_write_at = self.started_mono + first_write_delay(self.rng, cfg.start_spread)
         self.last_cycle_mono: float | None = None
         self.loop_thread: threading.Thread | None = None
@@ -369,6 +376,8 @@ class Agent:
         self.events.start()
         if self.node_cache is not None:
             self.node_cache.start()
+        if self.suite.slice_cache is not None:
+            self.suite.slice_cache.start()
         if self.fence is not None:
             self.fence.start()
         if serve:
@@ -413,6 +422,8 @@ class Agent:
         self.events.close()
         if self.node_cache is not None:
             self.node_cache.stop()
+        if self.suite.slice_cache is not None:
+            self.suite.slice_cache.stop()
         if self.fence is not None:
             self.fence.close()
         if self.server is not None:

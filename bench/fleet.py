@@ -3,7 +3,9 @@
 One process drives many agent identities against the real apiserver. Each identity has its own Node
 (shaped like a GPU node: 50 images in status.images, GPU feature-discovery labels), its own client
 (agent.kube.KubeApi, the agent's client) and the agent's request pattern made by the agent's own
-code: agent.node_cache.NodeCache for the Node, agent.report.condition.ConditionReporter for the
+code: agent.node_cache.NodeCache for the Node, agent.slice_cache.SliceCache for its DRA ResourceSlices (the
+CheckSuite's DRA-aware count; a LIST per poll, from the apiserver's cache, where there is no watch),
+agent.report.condition.ConditionReporter for the
 condition heartbeat (jittered with agent.node_cache.heartbeat_delay), agent.report.events.EventReporter
 for Events on transitions. Kubelet's pattern (a Lease renewed every 10 s, a node status GET
 resourceVersion=0 + PATCH every 5 minutes, one watch on its Node) runs for the same Nodes in the same
@@ -15,9 +17,10 @@ it sends to its own internal watchers).
 
 Phases, one after the other, each measured between two scrapes of /metrics:
   kubelet   kubelet's pattern alone
-  before    gpu-ready as it was: a GET of the Node per poll (a quorum read), the condition heartbeat
-  after     gpu-ready with the Node watch (the poll reads the cache) and metadata-only answers to its
-            status patches (KubeApi.metadata_answers), the condition heartbeat
+  before    gpu-ready as it was: a GET of the Node per poll (a quorum read), a ResourceSlice LIST per poll
+            (resourceVersion=0), the condition heartbeat
+  after     gpu-ready with the Node and ResourceSlice watches (the poll reads the caches) and metadata-only
+            answers to its status patches (KubeApi.metadata_answers), the condition heartbeat
   storm     10 % of the nodes fail within one minute (real time): condition write + Event each
 Time is compressed by --compress for the steady phases (poll, heartbeat, lease and status periods and
 watch lifetimes all divided by it); per-hour figures are scaled back (count x 3600 / (window x
@@ -51,8 +54,10 @@ from agent.kube import ApiError, KubeApi
 from agent.logs import setup_logging
 from agent.model import Reason, Status, Verdict
 from agent.node_cache import WATCH_TIMEOUT_S, NodeCache, first_write_delay, heartbeat_delay
+from agent.probes.dra import SliceRead, read_node_slices
 from agent.report.condition import ConditionReporter
 from agent.report.events import EventReporter
+from agent.slice_cache import SliceCache
 from bench.common import machine, save, table
 from testkit.controlplane import ControlPlane
 
@@ -65,10 +70,13 @@ KUBELET_LEASE_S = 10.0
 KUBELET_STATUS_S = 300.0
 KUBELET_WATCH_S = 300.0  # client-go's reflector: a watch lasts uniform(1, 2) x this
 AGENT_WATCH_S = WATCH_TIMEOUT_S  # agent.node_cache: uniform(1, 2) x this
+SLICE_WATCH_FACTOR = 2.0  # the runner's SliceCache watches last twice the Node's (agent/runner.py)
 AGENT_POLL_S = 30.0  # gpu-ready defaults (agent/config.py)
 AGENT_HEARTBEAT_S = 300.0
 AGENT_EVENT_INTERVAL_S = 300.0
 LEASE_NS = "kube-node-lease"
+AGENT_RESOURCES = ("nodes", "events", "resourceslices")
+AGENT_WATCHES = ("nodes", "resourceslices")  # the agent's long-lived watches (runner: NodeCache, SliceCache)
 KUBELET_CONDITIONS = ("MemoryPressure", "DiskPressure", "PIDPressure", "Ready")
 
 HEALTHY = Verdict(Status.TRUE, Reason.GPUS_HEALTHY, "8 GPUs healthy")
@@ -387,6 +395,8 @@ class AgentIdentity:
         self.rng = rng
         self.api = traffic.attach(cp.admin())
         self.cache: NodeCache | None = None
+        self.slices: SliceCache | None = None
+        self.slice_lists = 0  # LISTs of the ResourceSlices (every poll before; only while the watch is down after)
         self.heartbeat_base = AGENT_HEARTBEAT_S / scale
         self.condition = ConditionReporter(self.api, node, self.heartbeat_base)
         self.events = EventReporter(self.api, node, AGENT_EVENT_INTERVAL_S)
@@ -398,15 +408,21 @@ class AgentIdentity:
     def period(self) -> float:
         return self.poll_s
 
-    def start_cache(self, scale: float) -> NodeCache:
+    def start_cache(self, scale: float) -> list[NodeCache | SliceCache]:
         self.api.metadata_answers = True  # the status patch's answer: metadata only (the runner sets this)
         self.cache = NodeCache(self.api, self.node, watch_timeout_s=AGENT_WATCH_S / scale, rng=self.rng).start()
-        return self.cache
+        self.slices = SliceCache(
+            self.api, self.node, watch_timeout_s=SLICE_WATCH_FACTOR * AGENT_WATCH_S / scale, rng=self.rng
+        ).start()
+        return [self.cache, self.slices]
 
     def stop_cache(self) -> None:
         if self.cache is not None:
             self.cache.stop(2.0)
             self.cache = None
+        if self.slices is not None:
+            self.slices.stop(2.0)
+            self.slices = None
 
     def poll(self) -> None:
         with self.lock:
@@ -414,6 +430,10 @@ class AgentIdentity:
                 self.cache.get()  # the watch's cached Node (a GET resourceVersion=0 only while it is not kept)
             else:
                 self.api.get_node(self.node)  # before: a quorum GET per poll
+            read: SliceRead | None = self.slices.items() if self.slices is not None else None
+            if read is None:  # CheckSuite._gpu_serving: the LIST (from the apiserver's cache) without the watch
+                self.slice_lists += 1
+                read_node_slices(self.api, self.node)
             self.publish(self.verdict)
 
     def fail(self) -> None:
@@ -507,11 +527,11 @@ def in_parallel(fns: Iterable[Callable[[], Any]], workers: int = 8) -> None:
             f.result()
 
 
-def wait_all_synced(caches: list[NodeCache], timeout_s: float) -> None:
+def wait_all_synced(caches: list[NodeCache | SliceCache], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for c in caches:
         if not c.wait_synced(max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(f"node cache for {c.node} not synced after {timeout_s}s: {c.last_error}")
+            raise TimeoutError(f"{type(c).__name__} for {c.node} not synced after {timeout_s}s: {c.last_error}")
 
 
 @dataclass
@@ -566,10 +586,12 @@ def figures(
     window_s: float,
     compress: float,
     watch_base_s: float | None,
+    watches: tuple[str, ...] = ("nodes",),
 ) -> Figures:
     """`watched`: (events incl. bookmarks, bytes) our watches received in the window, counted where they
     arrive: the apiserver's watch-event metrics also count the events sent to its own internal watchers.
-    `watch_base_s`: the pattern holds one watch renewed after uniform(1, 2) x this many seconds. Its
+    `watch_base_s`: the pattern holds one watch per resource in `watches`, each renewed after uniform(1, 2) x this
+    many seconds. Its
     renewals are arithmetic (3600 / the mean lifetime per hour): a window shorter than a lifetime, opened
     when every watch has just started, would count almost none of them."""
     per = HOUR / (window_s * compress) / nodes  # a count in the window -> per node per hour
@@ -582,7 +604,9 @@ def figures(
             raw[key] = raw.get(key, 0.0) + v
     reqs = {k: v * per for k, v in sorted(raw.items()) if not k.startswith("WATCH ")}
     if watch_base_s is not None:
-        reqs["WATCH nodes (renewals: 3600 / mean lifetime)"] = HOUR / (1.5 * watch_base_s)
+        for w in watches:
+            base = watch_base_s * SLICE_WATCH_FACTOR if w == "resourceslices" else watch_base_s
+            reqs[f"WATCH {w} (renewals: 3600 / mean lifetime)"] = HOUR / (1.5 * base)
     etcd_ops = by_label(d, "etcd_requests_total", "operation", resource=resources)
     reads = sum(v for k, v in etcd_ops.items() if k in ETCD_READS)
     writes = sum(v for k, v in etcd_ops.items() if k not in ETCD_READS)
@@ -649,7 +673,13 @@ class Fleet:
         in_parallel([functools.partial(make, i) for i in range(self.n)])
 
     def measure(
-        self, name: str, resources: tuple[str, ...], start: float, caches: list[NodeCache], compress: float
+        self,
+        name: str,
+        resources: tuple[str, ...],
+        start: float,
+        caches: list[NodeCache | SliceCache],
+        compress: float,
+        watches: tuple[str, ...] = ("nodes",),
     ) -> Figures:
         """The window is [start, start + window): every scheduled request due in it is sent between the two
         scrapes (a fixed-rate schedule holds an exact count of whole periods)."""
@@ -681,6 +711,7 @@ class Fleet:
             self.window_s,
             compress,
             watch_base,
+            watches,
         )
 
     def kubelet_phase(self) -> Figures:
@@ -699,7 +730,8 @@ class Fleet:
             self.sched.at(start + self.rng.random() * lease_p, k.renew_lease, constant(lease_p))
             self.sched.at(start + self.rng.random() * status_p, k.update_status, constant(status_p))
         try:
-            return self.measure("kubelet", ("nodes", "leases"), start, [k.cache for k in kubelets if k.cache], f)
+            kcaches: list[NodeCache | SliceCache] = [k.cache for k in kubelets if k.cache]
+            return self.measure("kubelet", ("nodes", "leases"), start, kcaches, f)
         finally:
             self.sched.clear()
             in_parallel([k.close for k in kubelets], 32)
@@ -717,22 +749,31 @@ class Fleet:
         return now + spread + AGENT_POLL_S / f
 
     def before_phase(self) -> Figures:
-        self.log_phase(f"gpu-ready before (GET per poll) for {self.n} nodes (time / {self.compress:g}) ...")
+        self.log_phase(f"gpu-ready before (GET + LIST per poll) for {self.n} nodes (time / {self.compress:g}) ...")
         start = self.agents_start()
-        return self.measure("gpu-ready before", ("nodes", "events"), start, [], self.compress)
+        return self.measure("gpu-ready before", AGENT_RESOURCES, start, [], self.compress)
 
     def after_phase(self) -> Figures:
-        self.log_phase(f"gpu-ready after (Node watch) for {self.n} nodes (time / {self.compress:g}) ...")
-        caches = [a.start_cache(self.compress) for a in self.agents]
+        self.log_phase(
+            f"gpu-ready after (Node + ResourceSlice watches) for {self.n} nodes (time / {self.compress:g}) ..."
+        )
+        caches = [c for a in self.agents for c in a.start_cache(self.compress)]
         wait_all_synced(caches, 120)
-        # the polls already queued go on at their phase; from now on they read the cache
-        res = self.measure("gpu-ready after", ("nodes", "events"), time.monotonic() + 0.5, caches, self.compress)
-        live = sum(1 for c in caches if c.live)
-        stats = [c.stats for c in caches]
-        res.raw["caches live"] = live
-        res.raw["fallback GETs"] = sum(s.fallback_gets for s in stats)
-        res.raw["cache reads"] = sum(s.cache_reads for s in stats)
-        res.raw["watch errors"] = sum(s.errors for s in stats)
+        # the polls already queued go on at their phase; from now on they read the caches
+        lists0 = sum(a.slice_lists for a in self.agents)
+        res = self.measure(
+            "gpu-ready after", AGENT_RESOURCES, time.monotonic() + 0.5, caches, self.compress, AGENT_WATCHES
+        )
+        nodes = [c for c in caches if isinstance(c, NodeCache)]
+        slices = [c for c in caches if isinstance(c, SliceCache)]
+        res.raw["caches live"] = sum(1 for c in nodes if c.live)
+        res.raw["fallback GETs"] = sum(c.stats.fallback_gets for c in nodes)
+        res.raw["cache reads"] = sum(c.stats.cache_reads for c in nodes)
+        res.raw["watch errors"] = sum(c.stats.errors for c in nodes)
+        res.raw["slice caches live"] = sum(1 for c in slices if c.live)
+        res.raw["slice cache reads"] = sum(c.stats.reads for c in slices)
+        res.raw["slice fallback LISTs"] = sum(a.slice_lists for a in self.agents) - lists0
+        res.raw["slice watch errors"] = sum(c.stats.errors for c in slices)
         return res
 
     def storm_phase(self, fraction: float, within_s: float) -> dict[str, Any]:

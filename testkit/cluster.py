@@ -174,6 +174,8 @@ AGENT_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "watch"]},
     {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
     {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    # the chart's <release>-dra ClusterRole: the node's ResourceSlices (DRA-aware counting), listed or watched
+    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": ["list", "watch"]},
 ]
 
 # The chart's RBAC exactly (tests/test_security.py asserts these equal the rendered templates):

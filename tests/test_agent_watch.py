@@ -166,7 +166,8 @@ def test_steady_state_reads_no_node_from_etcd(admin, agent_factory, simhost, wat
     assert etcd1 == etcd0, "a quorum read of the Node in the steady state"
     if watch:
         assert agent_gets == 0 and gets1 == gets0
-        assert requests_of(a, "WATCH") == requests_of(a, "WATCH", "200") == 1  # one long-lived watch
+        # one long-lived watch of the Node and one of its ResourceSlices (agent/slice_cache.py)
+        assert requests_of(a, "WATCH") == requests_of(a, "WATCH", "200") == 2
     else:
         assert agent_gets >= polls - 1 and gets1 - gets0 >= polls - 1
         assert requests_of(a, "WATCH") == 0

@@ -255,7 +255,8 @@ def test_the_chart_config_turns_fencing_and_dra_counting_on(fplane):
         DRIVER,
     )
     role = next(d for d in fplane.release.docs if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-dra"))
-    assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": ["list"]} in role["rules"]
+    slices = {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": ["list", "watch"]}
+    assert slices in role["rules"]
 
 
 def test_fatal_xid_fences_one_gpu_the_scheduler_serves_seven_and_the_clear_lifts_it(fplane, launch, tmp_path):

@@ -251,6 +251,7 @@ def own_taints_are(*own: dict[str, str]) -> Callable[[dict[str, Any], Env], bool
 
 
 AG, AT, PF, UB = "agent", "agent, taints on", "preflight", "agent, token not bound to a pod"
+SLICES_OF_A = "spec.nodeName={A},spec.driver=gpu.nvidia.com"
 NO_EXEC = {"key": TAINT, "effect": "NoExecute"}
 SERIES = {"series": {"count": 2, "lastObservedTime": "2026-01-01T00:00:05.000000Z"}}
 
@@ -882,6 +883,23 @@ ATTEMPTS: list[Attempt] = [
         "Event in kube-system",
         lambda e: Req("POST", "/apis/events.k8s.io/v1/namespaces/kube-system/events", event_body(e)),
         403,
+    ),
+    # ---- the agent: its node's DRA ResourceSlices (fencing.countFromResourceSlices, on by default) ---------------
+    Attempt(
+        AG,
+        "list node A's ResourceSlices (the fallback while the watch is not kept)",
+        lambda e: Req("GET", f"/apis/resource.k8s.io/v1/resourceslices?resourceVersion=0&fieldSelector={SLICES_OF_A}"),
+        200,
+    ),
+    Attempt(
+        AG,
+        "watch node A's ResourceSlices (the slice cache; RBAC cannot narrow it to the node)",
+        lambda e: Req(
+            "GET",
+            "/apis/resource.k8s.io/v1/resourceslices?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan"
+            f"&resourceVersion=0&timeoutSeconds=1&fieldSelector={SLICES_OF_A}",
+        ),
+        200,
     ),
 ]
 
