@@ -205,6 +205,17 @@ def spawned_cpu_ms(runs: int = 100) -> dict[str, float]:
 
 
 def runtime_python() -> str:
+    """runtime_python_unlocked under a lock: benchmarks started together (make bench runs some at once) build or
+    refresh the environment one at a time."""
+    import fcntl
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    with open(OUT / ".runtime-venv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return runtime_python_unlocked()
+
+
+def runtime_python_unlocked() -> str:
     """A Python that sees only what the image installs: a virtual environment (made once, no network) whose
     site-packages links to the dev environment's copies of gpu-ready's runtime dependencies and nothing
     else. The dev environment also holds the linters and test tools, and one of them (rich, pulled in by

@@ -85,6 +85,7 @@ CGROUP_MOUNTS = Path("/sys/fs/cgroup")
 
 HOST_LOCK = "/run/gpu-ready-realnode.lock"
 HOST_LOCK_WAIT_S = 2400.0  # another run's real-node module takes minutes
+_HOLDERS: set[str] = set()  # the nodes of this process that hold the lock
 
 
 def _try_flock(fd: int) -> bool:
@@ -687,50 +688,54 @@ resolvConf: /etc/resolv.conf
 
     def stop(self) -> list[str]:
         """Stops kubelet, the pods, containerd; restores every host change. Returns what it undid."""
-        if self.kubelet is not None:
-            terminate_group(self.kubelet)
-            self.kubelet = None
-        for _ in range(3):  # pod processes, then their shims (a shim waits for its container)
-            pids = self.pod_processes()
-            if not pids:
-                break
-            for pid in pids:
+        try:
+            if self.kubelet is not None:
+                terminate_group(self.kubelet)
+                self.kubelet = None
+            for _ in range(3):  # pod processes, then their shims (a shim waits for its container)
+                pids = self.pod_processes()
+                if not pids:
+                    break
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(AssertionError):
+                    wait_for(lambda: not self.pod_processes(), 10, 0.1, "pod processes to exit")
+            for pid in self._shim_pids():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            if self.containerd is not None:
+                terminate_group(self.containerd)
+                self.containerd = None
             with contextlib.suppress(AssertionError):
-                wait_for(lambda: not self.pod_processes(), 10, 0.1, "pod processes to exit")
-        for pid in self._shim_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if self.containerd is not None:
-            terminate_group(self.containerd)
-            self.containerd = None
-        with contextlib.suppress(AssertionError):
-            wait_for(lambda: not self._shim_pids(), 10, 0.1, "containerd shims to exit")
-        for mnt in sorted(_mounts_under(self.workdir), key=len, reverse=True):
-            if run(["umount", mnt], check=False).returncode != 0:
-                run(["umount", "-l", mnt], check=False)
-            self.undone.append(f"umount {mnt}")
-        for d in reversed(self._made_cgroups):
-            if d.exists():
-                for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+                wait_for(lambda: not self._shim_pids(), 10, 0.1, "containerd shims to exit")
+            for mnt in sorted(_mounts_under(self.workdir), key=len, reverse=True):
+                if run(["umount", mnt], check=False).returncode != 0:
+                    run(["umount", "-l", mnt], check=False)
+                self.undone.append(f"umount {mnt}")
+            for d in reversed(self._made_cgroups):
+                if d.exists():
+                    for sub in sorted(
+                        (p for p in d.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+                    ):
+                        with contextlib.suppress(OSError):
+                            sub.rmdir()
                     with contextlib.suppress(OSError):
-                        sub.rmdir()
-                with contextlib.suppress(OSError):
-                    d.rmdir()
-                    self.undone.append(f"rmdir {d}")
-        self._made_cgroups = [d for d in self._made_cgroups if d.exists()]
-        if self.cni_bridge in os.listdir("/sys/class/net"):
-            run(["ip", "link", "del", self.cni_bridge], check=False)
-            self.undone.append(f"link {self.cni_bridge}")
-        if self._bridge_made:
-            run(["ip", "link", "del", self.bridge], check=False)
-            self._bridge_made = False
-            self.undone.append(f"link {self.bridge}")
-        if self.host is not None:
-            self.undone += self.host.restore()
-            self.host = None
-        self._unlock_host()
+                        d.rmdir()
+                        self.undone.append(f"rmdir {d}")
+            self._made_cgroups = [d for d in self._made_cgroups if d.exists()]
+            if self.cni_bridge in os.listdir("/sys/class/net"):
+                run(["ip", "link", "del", self.cni_bridge], check=False)
+                self.undone.append(f"link {self.cni_bridge}")
+            if self._bridge_made:
+                run(["ip", "link", "del", self.bridge], check=False)
+                self._bridge_made = False
+                self.undone.append(f"link {self.bridge}")
+            if self.host is not None:
+                self.undone += self.host.restore()
+                self.host = None
+        finally:
+            self._unlock_host()  # even when a step failed: the next real node on this host must not wait forever
         return self.undone
 
     # -- one real node per host -------------------------------------------------------------------------
@@ -739,6 +744,10 @@ resolvConf: /etc/resolv.conf
         """Waits for the host-wide lock: the host record (iptables chains, sysctls, default directories) and its
         restore assume no other real node starts or stops meanwhile (another pytest run on the same machine).
         flock: released by the kernel if this process dies."""
+        if _HOLDERS:  # flock between two descriptors of one process would wait forever
+            raise RuntimeError(
+                f"another RealNode of this process still holds {HOST_LOCK} ({', '.join(_HOLDERS)}): stop it first"
+            )
         fd = os.open(HOST_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             wait_for(lambda: _try_flock(fd), HOST_LOCK_WAIT_S, 0.5, f"the host-wide real-node lock {HOST_LOCK}")
@@ -746,11 +755,13 @@ resolvConf: /etc/resolv.conf
             os.close(fd)
             raise
         self._lock_fd = fd
+        _HOLDERS.add(self.name)
 
     def _unlock_host(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
+            _HOLDERS.discard(self.name)
 
     def leftovers(self) -> list[str]:
         """Host changes still in place after stop() (empty when everything was restored)."""

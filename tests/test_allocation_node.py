@@ -11,6 +11,7 @@ The tests share one node, one set of plugins and one set of Pods and build on ea
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -179,11 +180,13 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         e = Env(cp, node, api, sim, work, pause)
         yield e
     finally:
-        if e is not None:
+        if e is not None:  # each step may fail; none may keep the node below from being stopped
             if e.agent is not None:
-                e.agent.terminate()
+                with contextlib.suppress(Exception):
+                    e.agent.terminate()
             for p in e.plugins.values():
-                p.stop()
+                with contextlib.suppress(Exception):
+                    p.stop()
         if api is not None:
             api.close()
         if node is not None:
