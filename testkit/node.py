@@ -655,9 +655,12 @@ resolvConf: /etc/resolv.conf
         for d in self._made_cgroups:
             if not d.exists():
                 continue
-            for procs in d.rglob("cgroup.procs"):
-                with contextlib.suppress(OSError, ValueError):
-                    pids.update(int(x) for x in procs.read_text().split())
+            # os.walk, not Path.rglob: kubelet and runc remove cgroups while this walks (rglob raises on a
+            # directory that vanished under it; os.walk skips it)
+            for root, _dirs, files in os.walk(d):
+                if "cgroup.procs" in files:
+                    with contextlib.suppress(OSError, ValueError):
+                        pids.update(int(x) for x in Path(root, "cgroup.procs").read_text().split())
         return sorted(pids)
 
     def find_process(self, pattern: str) -> list[int]:
@@ -716,7 +719,7 @@ resolvConf: /etc/resolv.conf
             for d in reversed(self._made_cgroups):
                 if d.exists():
                     for sub in sorted(
-                        (p for p in d.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+                        (Path(r) for r, _, _ in os.walk(d) if r != str(d)), key=lambda p: len(p.parts), reverse=True
                     ):
                         with contextlib.suppress(OSError):
                             sub.rmdir()
