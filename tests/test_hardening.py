@@ -287,7 +287,7 @@ def test_setsid_grandchild_does_not_leak_one_process_per_poll(tmp_path, keep_std
     smi = stand_in(
         tmp_path,
         f"""
-        import os, sys, time
+        import os, signal, sys, time
         if os.fork() == 0:
             os.setsid()  # leaves nvidia-smi's process group and session
             if os.fork() == 0:
@@ -295,11 +295,12 @@ def test_setsid_grandchild_does_not_leak_one_process_per_poll(tmp_path, keep_std
                     os.close(1); os.close(2)
                 with open({str(pidfile)!r}, "a") as fh:
                     fh.write(f"{{os.getpid()}}\\n")
-                time.sleep(3600)
+                signal.pause()  # lives until killed
             os._exit(0)
         os.wait()
-        while not os.path.exists({str(pidfile)!r}):
-            time.sleep(0.01)
+        deadline = time.monotonic() + 60  # wait for the daemon to be up, with a bound
+        while not os.path.exists({str(pidfile)!r}) and time.monotonic() < deadline:
+            time.sleep(0.01)  # poll interval of a bounded wait
         sys.stdout.write({table!r})
         """,
     )
@@ -320,16 +321,16 @@ def test_timeout_kills_the_whole_group_and_setsid_descendants(tmp_path):
     smi = stand_in(
         tmp_path,
         f"""
-        import os, sys, time
+        import os, signal, sys, time
         for detach in (False, True):
             if os.fork() == 0:
                 if detach:
                     os.setsid()
                 with open({str(pidfile)!r}, "a") as fh:
                     fh.write(f"{{os.getpid()}}\\n")
-                time.sleep(3600)
+                signal.pause()  # lives until killed
         print("| NVIDIA-SMI", flush=True)
-        time.sleep(3600)
+        signal.pause()  # lives until killed
         """,
     )
     runner = NvidiaSmiRunner(str(smi), timeout_s=1.5, reap_grace_s=10)

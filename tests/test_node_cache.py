@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.kube import ApiError, KubeApi, LineTooLong, split_lines
-from agent.node_cache import NodeCache, backoff_delay, first_write_delay, heartbeat_delay
+from agent.node_cache import BACKOFF_BASE_S, NodeCache, backoff_delay, first_write_delay, heartbeat_delay
 from bench.fleet import parse_samples, read_metrics_text, total
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
@@ -335,7 +335,6 @@ def test_steady_state_makes_no_quorum_reads(admin, make_node, sa_client, caches)
     etcd0, get0, verbs0 = etcd_node_gets(admin), apiserver_node_gets(admin), dict(verbs.counts)
     for _ in range(50):  # 50 polls
         assert cache.get()["metadata"]["name"] == node
-        time.sleep(0.01)
     assert etcd_node_gets(admin) == etcd0
     assert apiserver_node_gets(admin) == get0
     assert verbs.counts == verbs0  # not one request for 50 polls
@@ -360,9 +359,13 @@ def test_without_watch_rights_falls_back_to_get_from_the_cache(admin, make_node,
         assert cache.get()["metadata"]["name"] == node
     assert cache.stats.fallback_gets == 10
     assert etcd_node_gets(admin) == etcd0  # resourceVersion=0: the apiserver's cache, not etcd
+    # the forbidden watch is retried with backoff, not in a loop: two retries in a row are at least half the base
+    # delay apart (equal jitter: the n-th waits between half and all of base x 2^n)
     errors = cache.stats.errors
-    time.sleep(1.5)  # the forbidden watch is retried with backoff, not in a loop
-    assert cache.stats.errors - errors <= 2
+    wait_for(lambda: cache.stats.errors >= errors + 1, 60, 0.005, "a retry of the forbidden watch")
+    t1 = time.monotonic()
+    wait_for(lambda: cache.stats.errors >= errors + 2, 60, 0.005, "the next retry")
+    assert time.monotonic() - t1 >= BACKOFF_BASE_S / 2 - 0.01
     t0 = time.monotonic()
     assert cache.stop(1.0)  # stops within a second even while backing off
     assert time.monotonic() - t0 < 1.0
@@ -409,7 +412,6 @@ def test_stop_returns_within_a_second_with_a_watch_open(make_node, control_plane
     try:
         assert cache.wait_synced(30)
         wait_for(lambda: cache.stats.watches >= 1, 10, what="the watch")
-        time.sleep(0.2)
         t0 = time.monotonic()
         assert cache.stop(1.0)
         assert time.monotonic() - t0 < 1.0 and not cache.thread.is_alive()

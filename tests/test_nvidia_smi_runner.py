@@ -71,7 +71,7 @@ def test_leftovers_of_a_run_from_another_thread_are_killed_and_reaped(tmp_path):
     smi = stand_in(
         tmp_path,
         f"""
-        import os, sys, time
+        import os, signal, sys, time
         for lives in (True, False):
             if os.fork() == 0:
                 os.setsid()
@@ -79,12 +79,13 @@ def test_leftovers_of_a_run_from_another_thread_are_killed_and_reaped(tmp_path):
                     with open({str(pids)!r}, "a") as fh:
                         fh.write(f"{{os.getpid()}}\\n")
                     if lives:
-                        time.sleep(3600)
+                        signal.pause()  # lives until killed
                     os._exit(0)
                 os._exit(0)
             os.wait()
-        while len(open({str(pids)!r}).read().split()) < 2:
-            time.sleep(0.01)
+        deadline = time.monotonic() + 60  # wait for both to be up, with a bound
+        while len(open({str(pids)!r}).read().split()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # poll interval of a bounded wait
         sys.stdout.write({table()!r})
         """,
     )

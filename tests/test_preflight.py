@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -98,7 +99,7 @@ def test_driver_and_cuda_out_of_range(simhost):
 
 def test_orchestration_timeouts_errors_and_skips():
     def slow():
-        time.sleep(3)
+        signal.pause()  # never finishes by itself: the 0.3 s timeout must end it
         return GateResult("burnin", PASS)
 
     def boom():
@@ -325,10 +326,15 @@ def test_burnin_watch_fails_on_each_fault(simhost, change, needle):
     gpus = [{"busId": "00000000:19:00.0", "remap": (0, 0, 0, 0)}]
     simhost.append_xid(79, 0)  # logged before the burn-in: must not count
     nv = fake_nvml(gpus)
-    gates = build_gates(_burnin_profile("sleep 2.5"), "nvidia-smi", None, nv, str(simhost.kmsg))
+    started = simhost.root / "burnin-started"  # the command runs after the watch took its baseline
+    gates = build_gates(
+        _burnin_profile(f"sh -c 'touch {started}; sleep 2.5'"), "nvidia-smi", None, nv, str(simhost.kmsg)
+    )
 
     def fault_midway():
-        time.sleep(0.8)
+        from testkit.harness import wait_for
+
+        wait_for(started.exists, 30, 0.01, "the burn-in command to start")
         change(gpus, simhost)
 
     import threading
@@ -437,7 +443,7 @@ def test_timed_out_gate_is_killed_with_its_tree_before_the_next_gate(tmp_path):
         import subprocess as sp
 
         sp.Popen(["sh", "-c", script])
-        time.sleep(300)
+        signal.pause()  # runs until the gate's timeout kills it
         return GateResult("burnin", PASS)
 
     def observer():
