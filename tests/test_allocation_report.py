@@ -333,8 +333,8 @@ def test_agent_blast_radius_end_to_end(agent_factory, admin, simhost):
     import urllib.request
 
     from testkit.cluster import AGENT_RULES
-    from tests.test_gpus_cli import pb, serve_pod_resources
     from tests.test_gpus_cli import pod as grpc_pod
+    from tests.test_grpc_unix import pb, serve_pod_resources
 
     ns = f"blast-{secrets.token_hex(3)}"
     ensure_namespace(admin, ns)

@@ -5,15 +5,10 @@ helper B's e2e (tests/test_allocation_kubelet*.py); here the CLI's output and ex
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import pytest
@@ -22,56 +17,13 @@ from agent.report.allocation import HEADER
 
 grpc = pytest.importorskip("grpc")  # dev extra; the CLI itself needs no grpcio
 pb = pytest.importorskip("agent.proto.podresources_v1_pb2")
-
-
-class Kubelet:
-    def __init__(self) -> None:
-        self.pods: list[Any] = []
-        self.devices: list[Any] = []
-
-    def list(self, req: Any, ctx: Any) -> Any:
-        return pb.ListPodResourcesResponse(pod_resources=self.pods)
-
-    def allocatable(self, req: Any, ctx: Any) -> Any:
-        return pb.AllocatableResourcesResponse(devices=self.devices)
+from tests.test_grpc_unix import Kubelet, serve_pod_resources  # noqa: E402 - after the dev-extra check
 
 
 @pytest.fixture
 def kubelet() -> Iterator[tuple[str, Kubelet]]:
     with serve_pod_resources() as served:
         yield served
-
-
-@contextlib.contextmanager
-def serve_pod_resources() -> Iterator[tuple[str, Kubelet]]:
-    """A gRPC v1.PodResourcesLister on a unix socket answering what the returned Kubelet holds."""
-    d = tempfile.mkdtemp(prefix="podres-")  # short: a unix socket path has a 108-byte limit
-    sock = os.path.join(d, "kubelet.sock")
-    k = Kubelet()
-    handlers = grpc.method_handlers_generic_handler(
-        "v1.PodResourcesLister",
-        {
-            "List": grpc.unary_unary_rpc_method_handler(
-                k.list,
-                request_deserializer=pb.ListPodResourcesRequest.FromString,
-                response_serializer=pb.ListPodResourcesResponse.SerializeToString,
-            ),
-            "GetAllocatableResources": grpc.unary_unary_rpc_method_handler(
-                k.allocatable,
-                request_deserializer=pb.AllocatableResourcesRequest.FromString,
-                response_serializer=pb.AllocatableResourcesResponse.SerializeToString,
-            ),
-        },
-    )
-    s = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    s.add_generic_rpc_handlers((handlers,))
-    s.add_insecure_port("unix://" + sock)
-    s.start()
-    try:
-        yield sock, k
-    finally:
-        s.stop(0)
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def pod(name: str, ids: list[str], ns: str = "ml", resource: str = "nvidia.com/gpu") -> Any:

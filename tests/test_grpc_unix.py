@@ -4,6 +4,7 @@ protobuf module being what `make protos` makes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -51,9 +52,11 @@ class Kubelet:
         return pb.AllocatableResourcesResponse(devices=self.devices)
 
 
-@pytest.fixture
-def server() -> Iterator[tuple[str, Kubelet]]:
-    d = tempfile.mkdtemp(prefix="podres-")
+@contextlib.contextmanager
+def serve_pod_resources() -> Iterator[tuple[str, Kubelet]]:
+    """A gRPC v1.PodResourcesLister on a unix socket answering what the returned Kubelet holds (also used by
+    tests/test_gpus_cli.py and tests/test_allocation_report.py)."""
+    d = tempfile.mkdtemp(prefix="podres-")  # short: a unix socket path has a 108-byte limit
     sock = os.path.join(d, "kubelet.sock")
     k = Kubelet()
     handlers = grpc.method_handlers_generic_handler(
@@ -80,6 +83,12 @@ def server() -> Iterator[tuple[str, Kubelet]]:
     finally:
         s.stop(0)
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, Kubelet]]:
+    with serve_pod_resources() as served:
+        yield served
 
 
 def _pod(name: str, devices: dict[str, list[str]], ns: str = "ml") -> Any:
