@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from agent.kube import MAX_WATCH_LINE, ApiError, KubeApi, LineTooLong, WatchStream
 from agent.logs import get_logger
@@ -82,7 +82,39 @@ def _newer(a: str, b: str) -> bool:
     return True
 
 
-class NodeCache:
+class WatchThread:
+    """What NodeCache and SliceCache (slice_cache.py) share: one background thread that holds a watch stream,
+    started and stopped from the caller's side. Subclasses set `thread` (target: their `_run`)."""
+
+    thread: threading.Thread
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stream: WatchStream | None = None
+        self._stop = threading.Event()
+        self._synced = threading.Event()
+
+    def start(self) -> Self:
+        self.thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 1.0) -> bool:
+        """Stops the watch thread (closing an open watch); returns whether it ended within timeout_s."""
+        self._stop.set()
+        with self._lock:
+            stream = self._stream
+        if stream is not None:
+            stream.shutdown()
+        if self.thread.is_alive():
+            self.thread.join(timeout_s)
+        return not self.thread.is_alive()
+
+    def wait_synced(self, timeout_s: float) -> bool:
+        """Waits until the cache first holds the current state; returns whether it happened."""
+        return self._synced.wait(timeout_s)
+
+
+class NodeCache(WatchThread):
     def __init__(
         self,
         api: KubeApi,
@@ -95,6 +127,7 @@ class NodeCache:
         mono: Callable[[], float] = time.monotonic,
         initial_list: bool = False,
     ) -> None:
+        super().__init__()
         self.api = api
         self.node = node
         self.on_change = on_change
@@ -107,14 +140,10 @@ class NodeCache:
         self.selector = f"metadata.name={node}"
         self.stats = NodeCacheStats()
         self.log = get_logger(node=node, component="node-cache")
-        self._lock = threading.Lock()
         self._node: NodeDict | None = None
         self._present = False  # the last list/watch said the Node exists
         self._live = False  # the watch is kept: the cache is current
         self._rv = ""  # where the next watch resumes
-        self._stream: WatchStream | None = None
-        self._stop = threading.Event()
-        self._synced = threading.Event()
         self._failures = 0
         self._gone_streak = 0
         self._problem: str | None = None  # logged once per kind of failure
@@ -122,26 +151,6 @@ class NodeCache:
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"node-cache-{node}")
 
     # -- the caller's side ---------------------------------------------------------------------------
-
-    def start(self) -> NodeCache:
-        self.thread.start()
-        return self
-
-    def stop(self, timeout_s: float = 1.0) -> bool:
-        """Stops the watch thread; returns whether it ended within timeout_s."""
-        self._stop.set()
-        with self._lock:
-            stream = self._stream
-        if stream is not None:
-            stream.shutdown()
-        if self.thread.is_alive():
-            self.thread.join(timeout_s)
-        return not self.thread.is_alive()
-
-    def wait_synced(self, timeout_s: float) -> bool:
-        """Waits until the cache first holds the Node's state (the first list, or the watch's first event);
-        returns whether it happened."""
-        return self._synced.wait(timeout_s)
 
     @property
     def live(self) -> bool:

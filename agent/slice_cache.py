@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.kube import MAX_WATCH_LINE, ApiError, KubeApi, LineTooLong, WatchStream
+from agent.kube import MAX_WATCH_LINE, ApiError, KubeApi, LineTooLong
 from agent.logs import get_logger
 from agent.node_cache import (
     BACKOFF_BASE_S,
@@ -39,6 +39,7 @@ from agent.node_cache import (
     MIN_HEALTHY_WATCH_S,
     WATCH_TIMEOUT_S,
     Gone,
+    WatchThread,
     backoff_delay,
 )
 from agent.probes.dra import DEFAULT_DRIVER, MAX_SLICES, SLICES_PATH, SliceRead
@@ -75,7 +76,7 @@ def _rv(obj: dict[str, Any] | None) -> str:
     return str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
 
 
-class SliceCache:
+class SliceCache(WatchThread):
     def __init__(
         self,
         api: KubeApi,
@@ -88,6 +89,7 @@ class SliceCache:
         absent_retry_s: float = ABSENT_RETRY_S,
         mono: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__()
         self.api = api
         self.node = node
         self.driver = driver
@@ -101,41 +103,18 @@ class SliceCache:
         self.stats = SliceCacheStats()
         self.log = get_logger(node=node, component="slice-cache")
         self.watch_list = True  # start with a streaming list (sendInitialEvents); False: LIST, then watch
-        self._lock = threading.Lock()
         self._slices: dict[str, dict[str, Any]] = {}  # name -> ResourceSlice, while live
         self._pending: dict[str, dict[str, Any]] | None = None  # the initial events of a streaming list
         self._overflow = False  # an ADDED was not stored (store full)
         self._live = False  # the watch is kept: _slices is current
         self._absent = False  # the apiserver serves no resource.k8s.io/v1
         self._rv = ""  # where the next watch resumes ("": start over)
-        self._stream: WatchStream | None = None
-        self._stop = threading.Event()
-        self._synced = threading.Event()
         self._failures = 0
         self._problem: str | None = None
         self.last_error: str | None = None
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"slice-cache-{node}")
 
     # -- the caller's side ---------------------------------------------------------------------------
-
-    def start(self) -> SliceCache:
-        self.thread.start()
-        return self
-
-    def stop(self, timeout_s: float = 1.0) -> bool:
-        """Stops the watch thread; returns whether it ended within timeout_s."""
-        self._stop.set()
-        with self._lock:
-            stream = self._stream
-        if stream is not None:
-            stream.shutdown()
-        if self.thread.is_alive():
-            self.thread.join(timeout_s)
-        return not self.thread.is_alive()
-
-    def wait_synced(self, timeout_s: float) -> bool:
-        """Waits until the cache first holds the node's slices (or knows the API is absent)."""
-        return self._synced.wait(timeout_s)
 
     @property
     def live(self) -> bool:
