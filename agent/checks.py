@@ -28,8 +28,8 @@ from agent.probes.device_plugin import MigLayout
 from agent.probes.dra import DraInventory, SliceRead, node_inventory, probe_gpu_serving, read_node_slices
 from agent.probes.nvidia_smi import NvidiaSmiRunner, probe_nvidia_smi
 from agent.probes.nvml import NvmlProbe, NvmlSnapshot, read_nvml
-from agent.probes.pci import probe_pci
-from agent.probes.pcie import PcieThresholds, pcie_result
+from agent.probes.pci import PciScanner, probe_pci
+from agent.probes.pcie import LinkCache, PcieThresholds, pcie_result
 from agent.probes.xid_rate import XidRateThresholds, XidRateTracker
 
 if TYPE_CHECKING:
@@ -101,6 +101,10 @@ class CheckSuite:
         self.clock = clock
         self.started = clock()
         self.pcie = PcieThresholds(cfg.pcie, cfg.pcie_bridges, cfg.pcie_speed, cfg.pcie_busy_utilization)
+        # Kept across cycles while the PCI functions stay (the scan's key): what never changes then is read once.
+        self.pci_scanner = PciScanner(cfg.sysfs_root)
+        self.link_cache = LinkCache()
+        self._minors: tuple[object, dict[PciAddress, int]] = ((), {})
         self.device_nodes = DeviceNodeThresholds(cfg.device_nodes, cfg.dev_root, cfg.require_uvm)
         self.clocks = ClockEventTracker(
             ClockThresholds(
@@ -125,7 +129,7 @@ class CheckSuite:
         obs = Observation(expected_gpus=self.cfg.expected_gpus)
 
         smi = self._timed(stats, lambda: probe_nvidia_smi(self.smi))
-        pci = self._timed(stats, lambda: probe_pci(self.cfg.sysfs_root))
+        pci = self._timed(stats, lambda: probe_pci(self.cfg.sysfs_root, self.pci_scanner))
         t0 = time.monotonic()
         nvml, snap = read_nvml(self.nvml)
         stats.durations[nvml.check] = time.monotonic() - t0
@@ -181,7 +185,9 @@ class CheckSuite:
         on_pci = sorted(pci.addresses) if pci.ran else []
         if cfg.pcie and on_pci:
             load = {g.address: g.load for g in nv_gpus if g.address is not None and g.load is not None}
-            out.append(self._timed(stats, lambda: pcie_result(cfg.sysfs_root, on_pci, self.pcie, load)))
+            self.link_cache.refresh(self.pci_scanner.key)
+            cache = self.link_cache
+            out.append(self._timed(stats, lambda: pcie_result(cfg.sysfs_root, on_pci, self.pcie, load, cache)))
         if cfg.device_nodes and on_pci:
             mig = any(g.mig_enabled for r in hard for g in r.gpus)
             out.append(
@@ -189,7 +195,7 @@ class CheckSuite:
                     stats,
                     lambda: device_nodes_result(
                         self.device_nodes,
-                        minors=read_minor_numbers(cfg.proc_root, on_pci),
+                        minors=self._minor_numbers(on_pci),
                         gpu_count=len(on_pci),
                         mig_enabled=mig,
                     ),
@@ -208,6 +214,15 @@ class CheckSuite:
             uuids = {g.uuid: g.address for g in nv_gpus if g.uuid and g.address is not None}
             out.append(self._timed(stats, lambda: dcgm_result(self.dcgm, uuids)))
         return out
+
+    def _minor_numbers(self, on_pci: list[PciAddress]) -> dict[PciAddress, int]:
+        """The driver's minor number of each GPU, read again only when the PCI scan's key changed (a GPU added,
+        removed or rebound) or the last read missed a GPU (the driver was still loading)."""
+        key, minors = self._minors
+        if key != self.pci_scanner.key or len(minors) < len(on_pci):
+            minors = read_minor_numbers(self.cfg.proc_root, on_pci)
+            self._minors = (self.pci_scanner.key, minors)
+        return minors
 
     def _gpu_serving(
         self, node: dict[str, Any] | None, node_error: str | None, mig: MigLayout | None, grace: float, pci: ProbeResult

@@ -181,7 +181,7 @@ class Agent:
         self.state.retry()
         obs, stats = self.suite.run(node, node_err)
         for check, d in stats.durations.items():
-            self.metrics.check_duration.labels(str(check)).observe(d)
+            self.metrics.observe_check(str(check), d)
         for check in stats.failed:
             self.metrics.check_failures.labels(str(check)).inc()
         if stats.smi_timed_out:
@@ -219,6 +219,8 @@ class Agent:
 
     def _apply_clear(self, node: dict[str, Any]) -> None:
         ann = ((node.get("metadata") or {}).get("annotations") or {}).get(CLEAR_ANNOTATION)
+        if ann is None:
+            return  # nothing to clear (most polls: no /proc/stat read)
         d = decide_clear(
             ann,
             time.time(),

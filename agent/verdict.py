@@ -83,6 +83,9 @@ def render_message(groups: list[tuple[str, list[str]]], limit: int = MESSAGE_LIM
     return out
 
 
+REASON_ORDER = tuple(Reason)  # a GPU's reasons in declaration order
+
+
 def decide(
     obs: Observation,
     latched: Sequence[LatchedFault] = (),
@@ -151,7 +154,7 @@ def decide(
 
     # A source that could not run checked no GPU this cycle (per GPU, so a reporter can tell "clean" from
     # "not looked at" for each of its faults: fencing keeps an NVML rule while NVML cannot run).
-    not_checked = tuple(c for c in Check if any(f.check is c for f in unchecked))
+    not_checked = tuple(c for c in Check if any(f.check is c for f in unchecked)) if unchecked else ()
     rows = []
     for addr in sorted(set(gpus) | set(problems)):
         ident = gpus.get(addr, GpuIdentity(addr))
@@ -160,7 +163,13 @@ def decide(
         mine = gpu_reasons.get(addr, set())
         rows.append(
             GpuStatus(
-                ident.index, addr.nvml, ident.name, healthy, probs, tuple(r for r in Reason if r in mine), not_checked
+                ident.index,
+                addr.nvml,
+                ident.name,
+                healthy,
+                probs,
+                tuple(r for r in REASON_ORDER if r in mine) if mine else (),
+                not_checked,
             )
         )
     rows.sort(key=lambda r: (r.index is None, r.index if r.index is not None else 0, r.pci_bus_id))
@@ -305,7 +314,13 @@ class RecoveryGate:
         shown = obs
         if level.status is Status.TRUE and state.bad is not None:
             shown = state.bad  # recovering: keep reporting the fault until enough clean cycles
-        v = decide(shown, latched, preflight_required=facts.preflight_required, preflight_passed=facts.preflight_passed)
+        gated = facts.preflight_required and not facts.preflight_passed
+        if shown is obs and not latched and not gated:
+            v = level  # the same inputs: decide(obs) again would give the same verdict
+        else:
+            v = decide(
+                shown, latched, preflight_required=facts.preflight_required, preflight_passed=facts.preflight_passed
+            )
         hold = state.hold
         if hold is not None and (v.status is Status.TRUE or (hold.latched and v.reason is not Reason.FATAL_XID)):
             v = _held(v, hold)

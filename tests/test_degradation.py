@@ -61,6 +61,34 @@ def test_pcie_healthy_idle_and_busy(bridged: SimHost):
     assert probe_pcie(str(bridged.sysfs), addrs(bridged), load=busy) == []
 
 
+def test_pcie_link_cache_reads_maxima_once_and_current_fields_every_cycle(bridged: SimHost, monkeypatch):
+    import agent.probes.pcie as pcie
+    from agent.probes.pci import PciScanner
+
+    reads: list[str] = []
+    real = pcie._read_attr
+    monkeypatch.setattr(pcie, "_read_attr", lambda path: reads.append(os.path.basename(path)) or real(path))
+    scanner, cache = PciScanner(str(bridged.sysfs)), pcie.LinkCache()
+    scanner.scan()
+    cache.refresh(scanner.key)
+    assert probe_pcie(str(bridged.sysfs), addrs(bridged), cache=cache) == []
+    assert reads.count("max_link_width") == reads.count("current_link_width") > 0
+    reads.clear()
+    gpu = bridged.gpus[2].address
+    bridged.set_link(gpu, current_width=8)  # retrained narrower: seen on the next cycle
+    f = probe_pcie(str(bridged.sysfs), addrs(bridged), cache=cache)
+    assert [(x.gpu, x.kind) for x in f] == [(gpu, "pcie_width")]
+    assert "max_link_width" not in reads and "max_link_speed" not in reads and "current_link_speed" in reads
+    # A changed PCI scan (here: a GPU bound to vfio-pci) drops the cache: the maxima are read again.
+    bridged.set_link(gpu, current_width=8, max_width=8)
+    bridged.bind_vfio(bridged.gpus[0].address)
+    scanner.scan()
+    cache.refresh(scanner.key)
+    reads.clear()
+    assert probe_pcie(str(bridged.sysfs), addrs(bridged)[1:], cache=cache) == []  # x8 of x8: not degraded
+    assert "max_link_width" in reads
+
+
 def test_pcie_width_downtrained_on_gpu_names_the_link(bridged: SimHost):
     gpu = bridged.gpus[2].address
     bridged.set_link(gpu, current_width=8)
@@ -622,6 +650,27 @@ def test_suite_pcie_speed_only_under_load_and_width_always(bridged: SimHost):
     assert _run(CheckSuite(_suite_cfg(bridged, pcie=False), NvmlProbe("on", nvml=fake_nvml(states))))[2].status is (
         Status.TRUE
     )
+
+
+def test_suite_reads_device_minors_again_only_when_the_pci_scan_changes(simhost: SimHost, monkeypatch):
+    import agent.checks as checks
+    from agent.probes.nvml import NvmlProbe
+
+    calls: list[int] = []
+    monkeypatch.setattr(checks, "read_minor_numbers", lambda root, gpus: calls.append(len(gpus)) or {})
+    suite = checks.CheckSuite(_suite_cfg(simhost), NvmlProbe("on", nvml=fake_nvml(_nv_states(simhost))))
+    _run(suite)
+    _run(suite)
+    assert calls == [8, 8]  # the driver's file gave no minor (still loading): read again next cycle
+    real = read_minor_numbers
+    monkeypatch.setattr(checks, "read_minor_numbers", lambda root, gpus: calls.append(len(gpus)) or real(root, gpus))
+    calls.clear()
+    for _ in range(3):
+        assert _run(suite)[2].status is Status.TRUE
+    assert calls == [8]  # complete: kept while the PCI functions stay
+    simhost.bind_vfio(simhost.gpus[7].address)
+    _run(suite)
+    assert calls == [8, 7]
 
 
 def test_suite_clock_tracker_is_kept_across_cycles_and_clears(simhost: SimHost):

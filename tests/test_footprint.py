@@ -334,3 +334,28 @@ def test_status_gauge_keeps_one_series_at_1_while_writing_only_what_changes():
         series = shown()
         assert len(series) == len(Status) * len(Reason)
         assert [k for k, x in series.items() if x == 1] == [(v.status.value, v.reason.value)]
+
+
+def test_benchmark_cpu_clock_counts_every_thread_in_nanoseconds():
+    """bench.common.process_cpu_seconds (the benchmarks' CPU figure): the whole process, a thread that already
+    exited included, to the nanosecond; psutil's /proc figure agrees to its 10 ms ticks."""
+    import psutil
+
+    from bench.common import process_cpu_seconds
+
+    burn = "import sys, threading\nt = threading.Thread(target=lambda: sum(range(3_000_000)))\nt.start(); t.join()\n"
+    child = subprocess.Popen(
+        [sys.executable, "-c", burn + "print('done', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"done\n"  # the burning thread has exited
+        precise = process_cpu_seconds(child.pid)
+        ticks = sum(psutil.Process(child.pid).cpu_times()[:2])
+        assert precise is not None and precise > 0.02 and abs(precise - ticks) < 0.03, (precise, ticks)
+        assert precise != round(precise, 2)  # finer than a tick
+    finally:
+        child.kill()
+        child.wait()
+    assert process_cpu_seconds(child.pid) is None  # gone: no figure, not 0

@@ -131,3 +131,30 @@ def test_nvidia_smi_gets_default_sigpipe_and_no_agent_descriptor(tmp_path):
     assert not ignored & (1 << (signal.SIGPIPE - 1)), run.output
     fds = sorted(int(x) for x in lines[2:])
     assert fds[:3] == [0, 1, 2] and len(fds) <= 4, run.output  # the 4th: ls's own directory descriptor
+
+
+def test_environment_changes_reach_the_next_run_and_a_missing_binary_is_found_missing(tmp_path, monkeypatch):
+    """The child environment and the executable's path are kept between runs (issue 19: no rebuild per poll);
+    a change to the agent's environment still reaches the next nvidia-smi, and a binary removed after a run
+    gives the same "not found" answer as on a first run."""
+    smi = stand_in(
+        tmp_path,
+        """\
+        import os, sys
+        value, marked = os.environ.get("GPU_READY_TEST_VALUE", "-"), "GPU_READY_NVIDIA_SMI_OF" in os.environ
+        sys.stdout.write(f"{value} {marked}")
+        """,
+    )
+    runner = NvidiaSmiRunner(str(smi), timeout_s=30)
+    monkeypatch.delenv("GPU_READY_TEST_VALUE", raising=False)
+    assert runner.run().output == "- True"
+    monkeypatch.setenv("GPU_READY_TEST_VALUE", "one")
+    assert runner.run().output == "one True"
+    monkeypatch.setenv("GPU_READY_TEST_VALUE", "two")
+    assert runner.run().output == "two True"
+    smi.unlink()
+    gone = runner.run()
+    assert gone.exit_code is None and gone.error == f"nvidia-smi not found at {str(smi)!r}", gone.error
+    smi.write_text("not a program")
+    smi.chmod(0o644)
+    assert "not an executable file" in (runner.run().error or "")

@@ -315,3 +315,44 @@ def test_agent_health_turns_503_when_the_loop_stalls(simhost):
     ok, why = agent.healthy()
     assert not ok and "no check cycle completed" in why
     assert agent.ready()[0]
+
+
+def test_per_gpu_and_count_series_follow_the_verdict_and_are_set_only_on_a_change(monkeypatch):
+    from prometheus_client import generate_latest
+
+    from agent.model import Counts, GpuStatus, Reason, Status, Verdict
+    from agent.report.metrics import Metrics
+
+    m = Metrics()
+
+    def verdict(healthy: list[bool | None], counts: Counts) -> Verdict:
+        rows = tuple(GpuStatus(i, f"00000000:{0x19 + i:02X}:00.0", "H100", h) for i, h in enumerate(healthy))
+        return Verdict(Status.TRUE, Reason.GPUS_HEALTHY, "ok", rows, (Reason.GPUS_HEALTHY,), counts)
+
+    def series() -> dict[str, float]:
+        text = generate_latest(m.registry).decode()
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(("gpu_ready_gpu_healthy{", "gpu_ready_gpus{"))
+        }
+
+    m.publish(verdict([True, True], Counts(2, 2, 2, 2, 2)), 0)
+    first = series()
+    assert first['gpu_ready_gpu_healthy{gpu="1",name="H100",pci_bus_id="00000000:1A:00.0"}'] == 1
+    assert first['gpu_ready_gpus{source="nvidia_smi"}'] == 2
+    sets: list[tuple[str, ...]] = []
+    real_labels = type(m.gpu_healthy).labels
+    monkeypatch.setattr(type(m.gpu_healthy), "labels", lambda self, *a: sets.append(a) or real_labels(self, *a))
+    m.publish(verdict([True, True], Counts(2, 2, 2, 2, 2)), 0)
+    assert sets == [] and series() == first  # unchanged: no series touched
+    m.publish(verdict([True, False], Counts(2, 1, None, 2, 2)), 0)
+    now = series()
+    assert now['gpu_ready_gpu_healthy{gpu="1",name="H100",pci_bus_id="00000000:1A:00.0"}'] == 0
+    assert now['gpu_ready_gpus{source="nvidia_smi"}'] == 1 and 'gpu_ready_gpus{source="pci"}' in now
+    assert not any("plugin_capacity" in k for k in now)  # a source that went away is removed
+    assert len(sets) == 2  # the changed GPU and the changed count
+    m.publish(verdict([True, None], Counts(2, 1, 2, 2, 2)), 0)
+    now = series()
+    assert not any('gpu="1"' in k for k in now)  # not checked: absent, never a stale 0 or 1
+    assert now['gpu_ready_gpus{source="plugin_capacity"}'] == 2

@@ -35,6 +35,50 @@ def test_pci_excludes_virtual_functions_and_vfio(simhost):
     assert simhost.gpus[7].address not in {g.address for g in gpus}
 
 
+def test_pci_scanner_reads_each_function_once_and_sees_every_change(simhost, monkeypatch):
+    import shutil
+
+    import agent.probes.pci as pci
+
+    reads: list[str] = []
+    real_read_hex = pci._read_hex
+    monkeypatch.setattr(pci, "_read_hex", lambda path: reads.append(path) or real_read_hex(path))
+    scanner = pci.PciScanner(str(simhost.sysfs))
+    first = scanner.scan()
+    assert len(first) == 8 and len(reads) > 8  # every function's vendor, the GPUs' class and device id
+    key = scanner.key
+    reads.clear()
+    assert scanner.scan() == first and reads == [] and scanner.key == key  # steady: identities from the cache
+
+    # A function removed and added again (a new inode) is read again; here it comes back as a NIC.
+    gone = simhost.gpus[3].address
+    entry = simhost.devices / simhost.sysfs_name(gone)
+    shutil.rmtree(os.path.realpath(entry))
+    if entry.is_symlink():
+        entry.unlink()
+    assert gone not in {g.address for g in scanner.scan()} and scanner.key != key
+    simhost.add_pci_function(gone, 0, 0x020000, 0x1017, vendor=0x15B3, driver="mlx5_core")
+    reads.clear()
+    assert len(scanner.scan()) == 7 and any(simhost.sysfs_name(gone) in r for r in reads)
+    # The driver binding is read on every scan: a GPU bound to vfio-pci leaves at once, and the key changes.
+    key = scanner.key
+    simhost.bind_vfio(simhost.gpus[7].address)
+    assert simhost.gpus[7].address not in {g.address for g in scanner.scan()} and scanner.key != key
+
+
+def test_pci_scanner_keeps_no_identity_it_could_not_read(simhost):
+    from agent.probes.pci import PciScanner
+
+    scanner = PciScanner(str(simhost.sysfs))
+    vendor = simhost.devices / simhost.sysfs_name(simhost.gpus[5].address) / "vendor"
+    vendor.unlink()
+    vendor.mkdir()  # reading it fails (EISDIR), as an attribute of a function being removed can
+    assert len(scanner.scan()) == 7
+    vendor.rmdir()
+    vendor.write_text("0x10de\n")
+    assert len(scanner.scan()) == 8  # read again, not remembered as "not a GPU"
+
+
 def test_pci_unreadable_root_is_unchecked(tmp_path):
     r = probe_pci(str(tmp_path / "nope"))
     assert not r.ran and r.count is None and r.findings[0].severity is Severity.UNCHECKED

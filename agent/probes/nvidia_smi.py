@@ -425,13 +425,28 @@ def _token() -> str:
     return _TOKEN
 
 
-def _stat_fields(pid: int) -> list[bytes] | None:
-    """/proc/PID/stat after the command name: [state, ppid, pgrp, session, ...]; None when gone."""
+def _read_proc(path: str, limit: int = 4096) -> bytes | None:
+    """The first `limit` bytes of a /proc file with plain `os` calls (read once per nvidia-smi run); None when it
+    cannot be read."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read(4096).rpartition(b")")[2].split()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        out = os.read(fd, limit)
+        while out and len(out) < limit and (more := os.read(fd, limit - len(out))):
+            out += more  # a file longer than one read gives (many children)
+        return out
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat after the command name: [state, ppid, pgrp, session, ...]; None when gone."""
+    raw = _read_proc(f"/proc/{pid}/stat")
+    return None if raw is None else raw.rpartition(b")")[2].split()
 
 
 def _own_children() -> set[int]:
@@ -440,11 +455,9 @@ def _own_children() -> set[int]:
     me = os.getpid()
     out: set[int] = set()
     for tid in {me, threading.get_native_id()}:
-        try:
-            with open(f"/proc/{me}/task/{tid}/children", "rb") as fh:
-                out.update(int(p) for p in fh.read().split())
-        except OSError:
-            pass
+        raw = _read_proc(f"/proc/{me}/task/{tid}/children", 1 << 20)
+        if raw:
+            out.update(int(p) for p in raw.split())
     return out
 
 
@@ -553,6 +566,24 @@ class SmiProcess:
                     pass
 
 
+_ENV_CACHE: tuple[str, dict[bytes, bytes], dict[bytes, bytes]] | None = None  # (token, environ copy, env)
+
+
+def _child_environment() -> dict[bytes, bytes]:
+    """This process's environment with the marker first: built again only when the environment or the token
+    changed (os.environ's own dict compared, a C-level comparison, instead of ~40 Python-level lookups)."""
+    global _ENV_CACHE
+    token, data = _token(), getattr(os.environ, "_data", None)
+    cached = _ENV_CACHE
+    if cached is not None and data is not None and cached[0] == token and cached[1] == data:
+        return cached[2]
+    marker = SMI_MARKER.encode()
+    env = {marker: token.encode(), **{k: v for k, v in os.environb.items() if k != marker}}
+    if isinstance(data, dict):
+        _ENV_CACHE = (token, dict(data), env)
+    return env
+
+
 def spawn_nvidia_smi(exe: str, args: Sequence[str] = ()) -> SmiProcess:
     """Starts nvidia-smi (see above). The caller holds _SUBREAPER. Raises OSError when it cannot start.
     subprocess.Popen (vfork + exec, as os.posix_spawn) because it also closes every descriptor but the three
@@ -560,8 +591,7 @@ def spawn_nvidia_smi(exe: str, args: Sequence[str] = ()) -> SmiProcess:
     which Python ignores, to their defaults."""
     before = frozenset(_own_children())  # a zombie among these is not nvidia-smi's, whenever it started
     out_r, out_w = os.pipe()
-    marker = SMI_MARKER.encode()
-    env = {marker: _token().encode(), **{k: v for k, v in os.environb.items() if k != marker}}
+    env = _child_environment()
     try:
         popen = subprocess.Popen(
             [exe, *args], stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w, env=env, start_new_session=True
@@ -593,6 +623,7 @@ class NvidiaSmiRunner:
         self._abandoned: SmiProcess | None = None
         self._current: SmiProcess | None = None
         self._lock = threading.Lock()
+        self._exe: str | None = None  # the executable found last time; looked up again when it fails to start
 
     def kill_running(self) -> None:
         """Stops the nvidia-smi in flight, if any, and its group (on shutdown)."""
@@ -636,7 +667,7 @@ class NvidiaSmiRunner:
                     error=f"a previous nvidia-smi (pid {hung}) is still hung; not starting another",
                     hung_pid=hung,
                 )
-            exe, why = self._resolve()
+            exe, why = (self._exe, None) if self._exe is not None else self._resolve()
             if exe is None:
                 return SmiRun(None, "", 0.0, error=why)
             _SUBREAPER.acquire()
@@ -644,7 +675,11 @@ class NvidiaSmiRunner:
                 proc = spawn_nvidia_smi(exe, args)
             except OSError as e:
                 _SUBREAPER.release()
-                return SmiRun(None, "", time.monotonic() - start, error=f"cannot run {self.path!r}: {e.strerror}")
+                self._exe = None
+                _, why = self._resolve()  # gone or no longer executable: say so as a first lookup would
+                error = why or f"cannot run {self.path!r}: {e.strerror}"
+                return SmiRun(None, "", time.monotonic() - start, error=error)
+            self._exe = exe
             self._current = proc
             abandoned = False
             try:

@@ -113,7 +113,9 @@ class Metrics:
         self.smi_timeouts.inc(0)
         self.state_write_failures.inc(0)
         self._xid_children: dict[tuple[int, str, bool], Any] = {}
-        self._gpu_labels: set[tuple[str, str, str]] = set()
+        self._gpu_labels: dict[tuple[str, str, str], int] = {}  # gpu_ready_gpu_healthy series and their values
+        self._gpu_counts: dict[str, int] = {}  # gpu_ready_gpus{source} as last set
+        self._check_children: dict[str, Any] = {}
         self._status_shown: tuple[str, str] | None = None  # the gpu_ready_status series at 1
 
     def observe_xid(self, ev: XidEvent, n: int = 1) -> None:
@@ -126,6 +128,13 @@ class Metrics:
                 str(key[0]), bus_id_label(key[1]), "true" if key[2] else "false"
             )
         child.inc(n)
+
+    def observe_check(self, check: str, seconds: float) -> None:
+        """One check's duration (the labelled child is looked up once per check, not every cycle)."""
+        child = self._check_children.get(check)
+        if child is None:
+            child = self._check_children[check] = self.check_duration.labels(check)
+        child.observe(seconds)
 
     def api_request(self, verb: str, code: int) -> None:
         self.api_requests.labels(verb, str(code)).inc()
@@ -141,22 +150,23 @@ class Metrics:
                 self.status.labels(*self._status_shown).set(0)
             self.status.labels(*shown).set(1)
             self._status_shown = shown
-        now = set()
+        # Series are set only when their value changes (a steady node sets none per cycle).
+        was, now = self._gpu_labels, {}
         for g in v.gpus:
             key = ("" if g.index is None else str(g.index), g.pci_bus_id, (g.name or "")[:64])
             if g.healthy is None:
                 continue
-            now.add(key)
-            self.gpu_healthy.labels(*key).set(1 if g.healthy else 0)
-        for key in self._gpu_labels - now:
+            now[key] = value = 1 if g.healthy else 0
+            if was.get(key) != value:
+                self.gpu_healthy.labels(*key).set(value)
+        for key in was.keys() - now.keys():
             self.gpu_healthy.remove(*key)  # unknown: absent
         self._gpu_labels = now
         for src, n in vars(v.counts).items():  # every source, `dra` included, so a vanished one is removed
             if n is None:
-                try:
+                if self._gpu_counts.pop(src, None) is not None:
                     self.gpus.remove(src)
-                except KeyError:
-                    pass
-            else:
+            elif self._gpu_counts.get(src) != n:
                 self.gpus.labels(src).set(n)
+                self._gpu_counts[src] = n
         self.latched.set(latched)
