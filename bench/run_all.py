@@ -21,7 +21,7 @@ def main() -> None:
     ap.add_argument("--footprint-seconds", type=float, default=600)
     ap.add_argument("--latency-reps", type=int, default=100)
     ap.add_argument("--npd-reps", type=int, default=10)
-    ap.add_argument("--npd-steady-seconds", type=float, default=120, help="both agents idle side by side")
+    ap.add_argument("--npd-steady-seconds", type=float, default=600, help="both agents idle side by side")
     ap.add_argument("--fleet-nodes", type=int, default=200)
     a = ap.parse_args()
     t0 = time.monotonic()

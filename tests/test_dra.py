@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from prometheus_client import CollectorRegistry
 
 from agent import config
@@ -77,7 +76,7 @@ from testkit.cluster import bound_token, ensure_namespace, now_rfc3339
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
 from tests.conftest import require_testbin
-from tests.test_chart import KUBECTL, render
+from tests.test_security import Release, apply_release
 
 IN_CI = os.environ.get("CI") == "true"
 DRIVER = "gpu.nvidia.com"
@@ -550,15 +549,6 @@ def test_fencing_settings_defaults():
 
 BINARIES = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager")
 CONTROLLERS = ("device-taint-eviction-controller",)
-POLICY_KINDS = {
-    "ServiceAccount",
-    "ClusterRole",
-    "ClusterRoleBinding",
-    "Role",
-    "RoleBinding",
-    "ValidatingAdmissionPolicy",
-    "ValidatingAdmissionPolicyBinding",
-}
 
 
 def device_class(name: str, device_type: str) -> dict[str, Any]:
@@ -570,12 +560,6 @@ def device_class(name: str, device_type: str) -> dict[str, Any]:
         "metadata": {"name": name},
         "spec": {"selectors": [{"cel": {"expression": expr}}]},
     }
-
-
-@dataclass
-class Release:
-    ns: str
-    sa: str
 
 
 @dataclass
@@ -611,27 +595,6 @@ class DraPlane:
         c = KubeApi.from_token(self.control_plane.host, tok, self.control_plane.ca_file)
         self.clients.append(c)
         return c
-
-
-def apply_release(cp: ControlPlane, kc: Path, name: str, values: list[str]) -> Release:
-    """The chart's ServiceAccount, RBAC and admission policies, rendered with `values`, applied with kubectl."""
-    ns = f"{name}-{secrets.token_hex(3)}"
-    docs = [d for d in render(values, namespace=ns, release=ns) if d["kind"] in POLICY_KINDS]
-    admin = cp.admin()
-    try:
-        ensure_namespace(admin, ns)
-    finally:
-        admin.close()
-    r = subprocess.run(
-        [KUBECTL, "--kubeconfig", str(kc), "apply", "-f", "-"],
-        input=yaml.safe_dump_all(docs),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    sa = next(d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount")
-    return Release(ns, sa)
 
 
 @pytest.fixture(scope="module")

@@ -950,6 +950,11 @@ class Release:
     def fullname(self) -> str:
         return f"{self.ns}-gpu-ready"
 
+    @property
+    def sa(self) -> str:
+        """The agent's ServiceAccount (the first the chart renders)."""
+        return next(str(d["metadata"]["name"]) for d in self.docs if d["kind"] == "ServiceAccount")
+
 
 @dataclass
 class Cluster:
@@ -966,6 +971,8 @@ class Cluster:
 
 
 def apply_release(cp: ControlPlane, kc: Path, name: str, values: list[str]) -> Release:
+    """The chart's ServiceAccount, RBAC and admission policies, rendered with `values` in a namespace of their
+    own, applied with kubectl (also tests/test_dra.py)."""
     ns = f"{name}-{secrets.token_hex(3)}"
     docs = render(values, namespace=ns, release=ns)
     mine = [d for d in docs if d["kind"] in POLICY_KINDS]
