@@ -12,10 +12,8 @@ The tests share one node, one set of plugins and one set of Pods and build on ea
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
-import os
 import secrets
 import subprocess
 import sys
@@ -30,23 +28,14 @@ import pytest
 from agent.kube import KubeApi
 from agent.model import PciAddress
 from testkit.controlplane import REPO
-from testkit.controlplane import testbin_dir as find_testbin
 from testkit.deviceplugin import DevicePlugin, env_name, mig_ids, read_allocated_env, replica_ids, wait_registered
 from testkit.harness import AgentProc, wait_for
-from testkit.node import (
-    NODE_CONTROLLERS,
-    NodeControlPlane,
-    RealNode,
-    build_containerd,
-    build_images,
-    kubelet_binary,
-    missing_tools,
-)
+from testkit.node import NodeControlPlane, RealNode
 from testkit.simhost import SimHost
+from tests.realnode import real_node, skip_or_fail
 
 pytestmark = [pytest.mark.node, pytest.mark.slow]
 
-IN_CI = os.environ.get("CI") == "true"
 NODE = "gpu-node-alloc"
 GPU = "nvidia.com/gpu"
 SHARED = "nvidia.com/gpu.shared"
@@ -71,12 +60,6 @@ PODS: dict[str, dict[str, tuple[str, int]]] = {
     "mig-a": {"main": (MIG, 1)},
     "mig-b": {"main": (MIG, 1)},
 }
-
-
-def _skip_or_fail(msg: str) -> None:
-    if IN_CI:
-        pytest.fail(msg + " -- under CI=true a missing prerequisite fails the run", pytrace=False)
-    pytest.skip(msg)
 
 
 @dataclass
@@ -121,82 +104,26 @@ class Env:
         return dict(json.loads(r.stdout))
 
 
-def _pause_image() -> tuple[str, Path]:
-    """The sandbox (pause) image archive that tools/node-image/build.sh caches under the key sha256(pause.c)[:16];
-    only when it is missing the whole build runs (which also rebuilds the agent image whenever agent/ changed,
-    minutes that these tests, which run the agent as a host process, do not need)."""
-    key = hashlib.sha256((REPO / "tools" / "node-image" / "pause.c").read_bytes()).hexdigest()[:16]
-    root = os.environ.get("GPU_READY_TESTBIN") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpu-ready-testbin"
-    )
-    tar = Path(root) / "node-image" / f"pause-{key}.tar"
-    if tar.is_file() and tar.stat().st_size > 0:
-        return "localhost/pause:local", tar
-    images = build_images()
-    return images.pause, images.pause_tar
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    if os.geteuid() != 0:
-        _skip_or_fail("the real node needs root (kubelet, containerd, cgroups, mounts)")
-    missing = missing_tools()
-    if missing:
-        _skip_or_fail(f"Debian packages missing for the real node: {' '.join(missing)} (.ci/run installs them)")
-    bd = find_testbin()
-    kubelet = kubelet_binary()
-    if bd is None or not (bd / "kube-apiserver").exists() or kubelet is None or not kubelet.exists():
-        _skip_or_fail(f"kube-apiserver/kubelet not built (looked in {bd}); run tools/k8s-testbin/build.sh")
-    assert bd is not None and kubelet is not None
-    containerd_bin = build_containerd()
-    pause, pause_tar = _pause_image()
     work = tmp_path_factory.mktemp("allocnode")
     sim = SimHost(work / "sim", gpus=8)
     sim.set_smi(mig={p: MIG_PER_GPU for p in MIG_GPUS})
-    cp = NodeControlPlane(NODE, bd)
-    node: RealNode | None = None
-    api: KubeApi | None = None
-    e: Env | None = None
-    try:
-        t0 = time.monotonic()
-        cp.start()
-        cp.start_controller_manager(NODE_CONTROLLERS)
-        cp.start_scheduler()
-        cp_s = time.monotonic() - t0
-        labels = {
-            "nvidia.com/gpu.present": "true",
-            "nvidia.com/mig.strategy": "mixed",
-            f"{SHARED}.replicas": str(REPLICAS),
-        }
-        node = RealNode(cp, kubelet, containerd_bin, labels=labels, pause_image=pause)
-        node.start()  # waits for the host-wide real-node lock first (not counted below)
-        t1 = time.monotonic()
-        node.wait_schedulable()
-        node.load_image(pause_tar, pause)
-        setup = cp_s + node.start_seconds["node"] + time.monotonic() - t1
-        TIMES["node set-up (control plane + containerd + kubelet + pause image) s"] = setup
-        api = cp.admin()
-        cp.kubeconfig(work / "admin.kubeconfig")
-        e = Env(cp, node, api, sim, work, pause)
-        yield e
-    finally:
-        if e is not None:  # each step may fail; none may keep the node below from being stopped
+    labels = {"nvidia.com/gpu.present": "true", "nvidia.com/mig.strategy": "mixed", f"{SHARED}.replicas": str(REPLICAS)}
+    with real_node(NODE, labels=labels, tag="allocation node") as booted:
+        TIMES["node set-up (control plane + containerd + kubelet + pause image) s"] = booted.setup_s
+        booted.cp.kubeconfig(work / "admin.kubeconfig")
+        e = Env(booted.cp, booted.node, booted.api, sim, work, booted.pause)
+        try:
+            yield e
+        finally:  # each step may fail; none may keep the node from being stopped (real_node's exit)
             if e.agent is not None:
                 with contextlib.suppress(Exception):
                     e.agent.terminate()
             for p in e.plugins.values():
                 with contextlib.suppress(Exception):
                     p.stop()
-        if api is not None:
-            api.close()
-        if node is not None:
-            undone = node.stop()
-            left = node.leftovers()
-            node.cleanup_workdir()
-            print(f"\n[allocation node] restored: {', '.join(undone) or 'nothing'}")
-            print("[allocation node] figures: " + "; ".join(f"{k}: {v:.1f}" for k, v in TIMES.items()))
-            assert not left, f"host changes left after stop: {left}"
-        cp.stop()
+            print("\n[allocation node] figures: " + "; ".join(f"{k}: {v:.1f}" for k, v in TIMES.items()))
 
 
 def _node_allocatable(env: Env) -> dict[str, str]:
@@ -581,7 +508,7 @@ def test_device_plugin_stubs_match_the_vendored_proto(tmp_path: Path) -> None:
     try:
         import grpc_tools  # noqa: F401
     except ImportError:
-        _skip_or_fail("grpcio-tools (dev extra) is not installed")
+        skip_or_fail("grpcio-tools (dev extra) is not installed")
     src = REPO / "testkit" / "proto"
     (tmp_path / "testkit" / "proto").mkdir(parents=True)
     (tmp_path / "testkit" / "proto" / "deviceplugin_v1beta1.proto").write_bytes(

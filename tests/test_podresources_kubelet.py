@@ -8,7 +8,6 @@ and the client load (a fresh interpreter that imports the `run` path first)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -24,29 +23,14 @@ from agent.model import PciAddress
 from agent.probes.grpc_unix import unary_call
 from agent.probes.podresources import LIST, PodResourcesReader
 from testkit.controlplane import REPO
-from testkit.controlplane import testbin_dir as find_testbin
 from testkit.harness import wait_for
-from testkit.node import (
-    NODE_CONTROLLERS,
-    NodeControlPlane,
-    RealNode,
-    build_containerd,
-    build_images,
-    kubelet_binary,
-    missing_tools,
-)
+from testkit.node import RealNode
+from tests.realnode import real_node
 
 pytestmark = [pytest.mark.node, pytest.mark.slow]
 
-IN_CI = os.environ.get("CI") == "true"
 NODE = "gpu-node-podres"
 FIGURES: dict[str, float] = {}
-
-
-def _skip_or_fail(msg: str) -> None:
-    if IN_CI:
-        pytest.fail(msg + " -- under CI=true a missing prerequisite fails the run", pytrace=False)
-    pytest.skip(msg)
 
 
 @dataclass
@@ -62,38 +46,11 @@ class Kubelet:
 
 @pytest.fixture(scope="module")
 def kubelet() -> Iterator[Kubelet]:
-    if os.geteuid() != 0:
-        _skip_or_fail("the real node needs root (kubelet, containerd, cgroups, mounts)")
-    missing = missing_tools()
-    if missing:
-        _skip_or_fail(f"Debian packages missing for the real node: {' '.join(missing)}")
-    bd, kubelet_bin = find_testbin(), kubelet_binary()
-    if bd is None or not (bd / "kube-apiserver").exists() or kubelet_bin is None or not kubelet_bin.exists():
-        _skip_or_fail("kube-apiserver/kubelet not built; run tools/k8s-testbin/build.sh")
-    assert bd is not None and kubelet_bin is not None
-    containerd_bin, images = build_containerd(), build_images()
-    cp = NodeControlPlane(NODE, bd)
-    node: RealNode | None = None
-    api: KubeApi | None = None
-    try:
-        cp.start()
-        cp.start_controller_manager(NODE_CONTROLLERS)
-        node = RealNode(cp, kubelet_bin, containerd_bin, pause_image=images.pause)
-        node.start()
-        node.wait_schedulable()
-        node.load_image(images.pause_tar, images.pause)
-        api = cp.admin()
-        yield Kubelet(node, api, images.pause)
-    finally:
-        if api is not None:
-            api.close()
-        if node is not None:
-            node.stop()
-            left = node.leftovers()
-            node.cleanup_workdir()
+    with real_node(NODE, scheduler=False, tag="pod-resources") as booted:
+        try:
+            yield Kubelet(booted.node, booted.api, booted.pause)
+        finally:
             print("\n[pod-resources] figures: " + "; ".join(f"{k}: {v:.2f}" for k, v in FIGURES.items()))
-            assert not left, f"host changes left after stop: {left}"
-        cp.stop()
 
 
 def _pod(name: str, image: str) -> dict[str, object]:

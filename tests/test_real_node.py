@@ -33,19 +33,10 @@ import yaml
 from agent.kube import ApiError, KubeApi
 from testkit.cluster import condition, create_node
 from testkit.controlplane import REPO
-from testkit.controlplane import testbin_dir as find_testbin
 from testkit.harness import wait_for
-from testkit.node import (
-    NODE_CONTROLLERS,
-    NodeControlPlane,
-    NodeImages,
-    RealNode,
-    build_containerd,
-    build_images,
-    kubelet_binary,
-    missing_tools,
-)
+from testkit.node import NodeControlPlane, NodeImages, RealNode, build_containerd, build_images
 from testkit.simhost import SimHost, buses_free_in_kmsg
+from tests.realnode import prerequisites, real_node
 
 pytestmark = [pytest.mark.node, pytest.mark.slow]
 
@@ -56,12 +47,6 @@ NS = "gpu-ready"
 RELEASE = "gpu-ready"
 COND = "GPUReady"
 TIMES: dict[str, float] = {}  # figures measured here, printed at the end of the module
-
-
-def _skip_or_fail(msg: str) -> None:
-    if IN_CI:
-        pytest.fail(msg + " -- under CI=true a missing prerequisite fails the run", pytrace=False)
-    pytest.skip(msg)
 
 
 @dataclass
@@ -153,67 +138,40 @@ def make_sim(root: Path) -> SimHost:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    if os.geteuid() != 0:
-        _skip_or_fail("the real node needs root (kubelet, containerd, cgroups, mounts)")
-    missing = missing_tools()
-    if missing:
-        _skip_or_fail(f"Debian packages missing for the real node: {' '.join(missing)} (.ci/run installs them)")
-    bd = find_testbin()
-    kubelet = kubelet_binary()
-    if bd is None or not (bd / "kube-apiserver").exists() or kubelet is None or not kubelet.exists():
-        _skip_or_fail(f"kube-apiserver/kubelet not built (looked in {bd}); run tools/k8s-testbin/build.sh")
-    assert bd is not None and kubelet is not None
+    prerequisites()  # before the image build: a host that cannot run the node is told so at once
     t0 = time.monotonic()
-    containerd_bin = build_containerd()
+    build_containerd()
     images = build_images()
     TIMES["builds (containerd + images; cached when warm) s"] = time.monotonic() - t0
     work = tmp_path_factory.mktemp("realnode")
-    t1 = time.monotonic()
-    cp = NodeControlPlane(NODE, bd)
-    node: RealNode | None = None
-    api: KubeApi | None = None
-    e: Env | None = None
-    try:
-        cp.start()
-        cp.start_controller_manager(NODE_CONTROLLERS)
-        cp.start_scheduler()
-        node = RealNode(
-            cp, kubelet, containerd_bin, labels={"nvidia.com/gpu.present": "true"}, pause_image=images.pause
-        )
-        node.start()
-        node.wait_schedulable()
-        t2 = time.monotonic()
-        node.load_image(images.pause_tar, images.pause)
-        node.load_image(images.agent_tar, images.agent)
-        TIMES["image import into containerd s"] = time.monotonic() - t2
-        api = cp.admin()
-        api.request(
-            "POST",
-            "/apis/node.k8s.io/v1/runtimeclasses",
-            {
-                "apiVersion": "node.k8s.io/v1",
-                "kind": "RuntimeClass",
-                "metadata": {"name": "nvidia"},
-                "handler": "nvidia",
-            },
-        )
-        TIMES["node set-up (control plane + containerd + kubelet + images) s"] = time.monotonic() - t1
-        e = Env(cp, node, images, bd / "helm", cp.kubeconfig(work / "admin.kubeconfig"), work, api)
-        e.extra["image_mb"] = images.agent_tar.stat().st_size / 1e6
-        yield e
-    finally:
-        if api is not None:
-            api.close()
-        for d in e.extra.get("cleanup", []) if e is not None else []:
-            shutil.rmtree(d, ignore_errors=True)
-        if node is not None:
-            undone = node.stop()
-            left = node.leftovers()
-            node.cleanup_workdir()
-            print(f"\n[real node] restored: {', '.join(undone) or 'nothing'}")
+    labels = {"nvidia.com/gpu.present": "true"}
+    with real_node(NODE, labels=labels, pause=(images.pause, images.pause_tar)) as booted:
+        e: Env | None = None
+        try:
+            t1 = time.monotonic()
+            booted.node.load_image(images.agent_tar, images.agent)
+            TIMES["agent image import into containerd s"] = time.monotonic() - t1
+            booted.api.request(
+                "POST",
+                "/apis/node.k8s.io/v1/runtimeclasses",
+                {
+                    "apiVersion": "node.k8s.io/v1",
+                    "kind": "RuntimeClass",
+                    "metadata": {"name": "nvidia"},
+                    "handler": "nvidia",
+                },
+            )
+            TIMES["node set-up (control plane + containerd + kubelet + images) s"] = (
+                booted.setup_s + time.monotonic() - t1
+            )
+            kubeconfig = booted.cp.kubeconfig(work / "admin.kubeconfig")
+            e = Env(booted.cp, booted.node, images, booted.bin_dir / "helm", kubeconfig, work, booted.api)
+            e.extra["image_mb"] = images.agent_tar.stat().st_size / 1e6
+            yield e
+        finally:
+            for d in e.extra.get("cleanup", []) if e is not None else []:
+                shutil.rmtree(d, ignore_errors=True)
             print("[real node] figures: " + "; ".join(f"{k}: {v:.1f}" for k, v in TIMES.items()))
-            assert not left, f"host changes left after stop: {left}"
-        cp.stop()
 
 
 def _advertise_gpus(env: Env, n: int) -> None:
