@@ -14,6 +14,7 @@ from agent.kube import ApiError, KubeApi
 from testkit.cluster import create_node, service_account_client
 from testkit.controlplane import ControlPlane, testbin_dir
 from testkit.simhost import SimHost
+from tests.fakes import HUNG
 
 FIXTURES = Path(__file__).parent / "fixtures"  # every sample the tests read; provenance in SOURCES.md
 IN_CI = os.environ.get("CI") == "true"
@@ -143,3 +144,11 @@ def agent_factory(control_plane, admin, simhost, make_node, sa_client) -> Iterat
     yield _make
     for p in procs:
         p.terminate()
+
+
+@pytest.fixture(autouse=True)
+def _release_hung_nvml_calls() -> Iterator[None]:
+    """Ends the simulated hung NVML calls of a test (tests/fakes.py) when it is over."""
+    yield
+    while HUNG:
+        HUNG.pop().set()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import time
+import threading
 import types
+
+# The releases of simulated hung calls: a hung call blocks, as a stuck driver call does, until its release is set.
+# tests/conftest.py sets every one after each test, so no worker thread outlives its test.
+HUNG: list[threading.Event] = []
 
 
 class FakeNVMLError(Exception):
@@ -25,10 +29,14 @@ def fake_nvml(gpus, init_error=None, hang=None):
         NVML_DEVICE_MIG_ENABLE=1,
     )
 
+    release = threading.Event()
+    if hang is not None:
+        HUNG.append(release)
+
     def call(name, fn):
         def wrapped(*a):
             if hang == name:
-                time.sleep(5)
+                release.wait()  # hung until the test is over
             return fn(*a)
 
         wrapped.__name__ = name

@@ -234,6 +234,35 @@ def stand_in(tmp_path: Path, body: str, name: str = "nvidia-smi") -> Path:
     return path
 
 
+def daemons(pidfile: Path, lives: tuple[bool, ...], close_stdio: bool = False) -> str:
+    """Stand-in source that forks one setsid() daemon per entry of `lives` (True: it pauses until killed; False: it
+    exits at once), each appending its pid to `pidfile`, and goes on once every one has written it: each daemon
+    closes its end of a pipe when its pid is in the file, so the stand-in waits for the pipe's end of file (at
+    most 60 s), not for a fixed time."""
+    return f"""\
+import os, select, signal, sys
+ready_r, ready_w = os.pipe()
+for lives in {lives!r}:
+    if os.fork() == 0:
+        os.close(ready_r)
+        os.setsid()  # leaves nvidia-smi's process group and session
+        if os.fork() == 0:
+            if {close_stdio!r}:
+                os.close(1); os.close(2)
+            with open({str(pidfile)!r}, "a") as fh:
+                fh.write(f"{{os.getpid()}}\\n")
+            os.close(ready_w)  # its pid is written
+            if lives:
+                signal.pause()  # lives until killed
+            os._exit(0)
+        os._exit(0)
+    os.wait()
+os.close(ready_w)
+while select.select([ready_r], [], [], 60)[0] and os.read(ready_r, 1):
+    pass  # nothing is written: the read returns at end of file, when every daemon has closed its end
+"""
+
+
 def alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""
     try:
@@ -284,26 +313,7 @@ def test_output_is_read_up_to_the_cap_with_memory_bounded(tmp_path):
 def test_setsid_grandchild_does_not_leak_one_process_per_poll(tmp_path, keep_stdout):
     pidfile = tmp_path / "grandchildren"
     table = fixture_path("smi-table-healthy-h100x8-550.90.07-gpud-fixture.txt").read_text()
-    smi = stand_in(
-        tmp_path,
-        f"""
-        import os, signal, sys, time
-        if os.fork() == 0:
-            os.setsid()  # leaves nvidia-smi's process group and session
-            if os.fork() == 0:
-                if not {keep_stdout!r}:
-                    os.close(1); os.close(2)
-                with open({str(pidfile)!r}, "a") as fh:
-                    fh.write(f"{{os.getpid()}}\\n")
-                signal.pause()  # lives until killed
-            os._exit(0)
-        os.wait()
-        deadline = time.monotonic() + 60  # wait for the daemon to be up, with a bound
-        while not os.path.exists({str(pidfile)!r}) and time.monotonic() < deadline:
-            time.sleep(0.01)  # poll interval of a bounded wait
-        sys.stdout.write({table!r})
-        """,
-    )
+    smi = stand_in(tmp_path, daemons(pidfile, (True,), close_stdio=not keep_stdout) + f"sys.stdout.write({table!r})\n")
     runner = NvidiaSmiRunner(str(smi), timeout_s=30)
     for poll in range(3):
         t0 = time.monotonic()

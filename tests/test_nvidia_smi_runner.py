@@ -10,8 +10,6 @@ import ctypes
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -20,15 +18,9 @@ from agent.probes.nvidia_smi import NvidiaSmiRunner, probe_nvidia_smi
 from bench.common import spawned_cpu_ms
 from testkit.harness import wait_for
 from tests.conftest import fixture_path
+from tests.test_hardening import daemons, stand_in
 
 PR_GET_CHILD_SUBREAPER = 37
-
-
-def stand_in(tmp_path: Path, body: str) -> Path:
-    path = tmp_path / "nvidia-smi"
-    path.write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
-    path.chmod(0o755)
-    return path
 
 
 def subreaper() -> bool:
@@ -68,27 +60,7 @@ def test_leftovers_of_a_run_from_another_thread_are_killed_and_reaped(tmp_path):
     """The agent runs nvidia-smi from its loop thread, while orphans are re-parented to the main thread: a setsid()
     daemon that lives on is killed and one that exits by itself is reaped (no zombie per poll)."""
     pids = tmp_path / "pids"
-    smi = stand_in(
-        tmp_path,
-        f"""
-        import os, signal, sys, time
-        for lives in (True, False):
-            if os.fork() == 0:
-                os.setsid()
-                if os.fork() == 0:
-                    with open({str(pids)!r}, "a") as fh:
-                        fh.write(f"{{os.getpid()}}\\n")
-                    if lives:
-                        signal.pause()  # lives until killed
-                    os._exit(0)
-                os._exit(0)
-            os.wait()
-        deadline = time.monotonic() + 60  # wait for both to be up, with a bound
-        while len(open({str(pids)!r}).read().split()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)  # poll interval of a bounded wait
-        sys.stdout.write({table()!r})
-        """,
-    )
+    smi = stand_in(tmp_path, daemons(pids, (True, False)) + f"sys.stdout.write({table()!r})\n")
     runner = NvidiaSmiRunner(str(smi), timeout_s=30)
     results = []
     t = threading.Thread(target=lambda: results.append(probe_nvidia_smi(runner)))

@@ -433,9 +433,9 @@ def pids_in(path) -> list[int]:
 
 
 def test_timed_out_gate_is_killed_with_its_tree_before_the_next_gate(tmp_path):
-    pids, ticks = tmp_path / "pids", tmp_path / "ticks"
+    pids, ticks, shell = tmp_path / "pids", tmp_path / "ticks", tmp_path / "shell"
     script = (
-        f"sleep 300 & echo $! >> {pids}; setsid sleep 300 & echo $! >> {pids}; "
+        f"echo $$ > {shell}; sleep 300 & echo $! >> {pids}; setsid sleep 300 & echo $! >> {pids}; "
         f"while :; do echo tick >> {ticks}; sleep 0.05; done"
     )
 
@@ -451,7 +451,9 @@ def test_timed_out_gate_is_killed_with_its_tree_before_the_next_gate(tmp_path):
 
         wait_for(lambda: len(pids_in(pids)) == 2, 10, what="the runaway's children")
         before = ticks.stat().st_size
-        time.sleep(0.5)  # inside the observed gate: a runaway still running would tick 10 times
+        # Its ticking shell, killed before this gate started, is gone at once; a runaway still running never is
+        # (this gate then fails) and one killed late ticks meanwhile (`grew` above 0).
+        wait_for(lambda: not alive(pids_in(shell)[0]), 10, what="the runaway's shell to be gone")
         return GateResult("nvlink", PASS, evidence={"grew": ticks.stat().st_size - before})
 
     t0 = time.monotonic()
