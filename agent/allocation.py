@@ -43,7 +43,7 @@ MIG profiles of different sizes count as equal slots (an approximation; the rati
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -366,9 +366,11 @@ def build_map(
     def note(device_id: str) -> None:
         unmapped.setdefault(device_id[:MAX_ID_LEN], None)
 
-    for rd in allocatable:
+    def placed(rd: ResourceDevices) -> Iterator[tuple[_Gpu, str]]:
+        """Each device ID of a counted resource that lies on one of the node's GPUs, with that GPU's entry (its
+        kind and ID noted); the others are noted as unmapped."""
         if not resource_filter(rd.resource):
-            continue
+            return
         resources.add(rd.resource)
         for i in rd.ids:
             hit = r.resolve(i)
@@ -378,20 +380,14 @@ def build_map(
             e = r.gpus[hit[0]]
             e.kinds.add(hit[1])
             e.ids.setdefault(i, None)
+            yield e, i
+
+    for rd in allocatable:
+        for e, i in placed(rd):
             e.allocatable.add(i)
     for c in listed:
         for rd in c.devices:
-            if not resource_filter(rd.resource):
-                continue
-            resources.add(rd.resource)
-            for i in rd.ids:
-                hit = r.resolve(i)
-                if hit is None:
-                    note(i)
-                    continue
-                e = r.gpus[hit[0]]
-                e.kinds.add(hit[1])
-                e.ids.setdefault(i, None)
+            for e, i in placed(rd):
                 e.allocated.add(i)
                 e.pods.add(c.ref)
         for cd in c.claims:

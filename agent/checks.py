@@ -186,8 +186,9 @@ class CheckSuite:
         if cfg.pcie and on_pci:
             load = {g.address: g.load for g in nv_gpus if g.address is not None and g.load is not None}
             self.link_cache.refresh(self.pci_scanner.key)
-            cache = self.link_cache
-            out.append(self._timed(stats, lambda: pcie_result(cfg.sysfs_root, on_pci, self.pcie, load, cache)))
+            out.append(
+                self._timed(stats, lambda: pcie_result(cfg.sysfs_root, on_pci, self.pcie, load, self.link_cache))
+            )
         if cfg.device_nodes and on_pci:
             mig = any(g.mig_enabled for r in hard for g in r.gpus)
             out.append(

@@ -45,18 +45,24 @@ MIN_HEALTHY_WATCH_S = 1.0  # a watch the server ends sooner than this counts as 
 
 
 @dataclass
-class NodeCacheStats:
-    lists: int = 0
-    relists: int = 0  # starts over after a 410 Gone: a re-list, or a watch from resourceVersion=0
+class WatchStats:
+    """What every watch thread counts (WatchThread._follow keeps the first two)."""
+
     watches: int = 0  # watches opened
+    watch_bytes: int = 0
     events: int = 0  # ADDED/MODIFIED/DELETED
     bookmarks: int = 0
-    gone: int = 0  # 410 Gone answers (watch or list)
+    gone: int = 0  # 410 Gone answers
     errors: int = 0
+
+
+@dataclass
+class NodeCacheStats(WatchStats):
+    lists: int = 0
+    relists: int = 0  # starts over after a 410 Gone: a re-list, or a watch from resourceVersion=0
     fallback_gets: int = 0  # GET resourceVersion=0 from get() while the watch was not kept
     cache_reads: int = 0  # get() answered from the cache
     changes: int = 0  # label/annotation changes passed to on_change
-    watch_bytes: int = 0
 
 
 class Gone(Exception):
@@ -70,7 +76,7 @@ def labels_and_annotations(node: NodeDict | None) -> tuple[Any, Any] | None:
     return meta.get("labels") or {}, meta.get("annotations") or {}
 
 
-def _rv(obj: NodeDict | None) -> str:
+def rv_of(obj: NodeDict | None) -> str:
     return str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
 
 
@@ -82,17 +88,57 @@ def _newer(a: str, b: str) -> bool:
     return True
 
 
+def check_event(ev: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The type and object of one watch event. Raises Gone for an ERROR event with code 410 (the version asked
+    for is no longer served) and ApiError for any other ERROR, an event without an object or of an unknown type."""
+    kind = ev.get("type")
+    obj = ev.get("object")
+    if not isinstance(obj, dict):
+        raise ApiError(0, f"watch event {kind!r} without an object")
+    if kind == "ERROR":
+        code = obj.get("code")
+        if code == 410:
+            raise Gone(str(obj.get("message", "resource version too old")))
+        raise ApiError(int(code) if isinstance(code, int) else 0, f"watch error: {obj.get('message', '')}")
+    if kind not in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
+        raise ApiError(0, f"unknown watch event type {kind!r}")
+    return kind, obj
+
+
 class WatchThread:
     """What NodeCache and SliceCache (slice_cache.py) share: one background thread that holds a watch stream,
-    started and stopped from the caller's side. Subclasses set `thread` (target: their `_run`)."""
+    started and stopped from the caller's side, and reads it (`_follow`); its settings and its state (kept,
+    where to resume, failures). Subclasses set `thread` (target: their `_run`) and `stats`."""
 
     thread: threading.Thread
+    stats: WatchStats
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        api: KubeApi,
+        node: str,
+        watch_timeout_s: float,
+        rng: random.Random | None,
+        max_event_bytes: int,
+        backoff_cap_s: float,
+        mono: Callable[[], float],
+    ) -> None:
+        self.api = api
+        self.node = node
+        self.watch_timeout_s = watch_timeout_s
+        self.rng = rng or random.Random()
+        self.max_event_bytes = max_event_bytes
+        self.backoff_cap_s = backoff_cap_s
+        self.mono = mono
         self._lock = threading.Lock()
         self._stream: WatchStream | None = None
         self._stop = threading.Event()
         self._synced = threading.Event()
+        self._live = False  # the watch is kept: the cache is current
+        self._rv = ""  # where the next watch resumes ("": start over)
+        self._failures = 0
+        self._problem: str | None = None  # logged once per kind of failure
+        self.last_error: str | None = None
 
     def start(self) -> Self:
         self.thread.start()
@@ -113,8 +159,48 @@ class WatchThread:
         """Waits until the cache first holds the current state; returns whether it happened."""
         return self._synced.wait(timeout_s)
 
+    def _follow(
+        self,
+        stream: WatchStream,
+        timeout: int,
+        on_event: Callable[[dict[str, Any]], None],
+        on_open: Callable[[], None] | None = None,
+    ) -> None:
+        """Reads `stream` to its end, passing each event to `on_event` (on this thread): the stream is held for
+        stop() (`on_open` runs with the lock held as it is taken), events are bounded by max_event_bytes, and a
+        watch the server ends before MIN_HEALTHY_WATCH_S (or half its timeout) is an error, so a server that
+        ends every watch at once is backed off from, not spun on."""
+        with self._lock:
+            if self._stop.is_set():
+                stream.close()
+                return
+            self._stream = stream
+            if on_open is not None:
+                on_open()
+        self.stats.watches += 1
+        opened = self.mono()
+        base = self.stats.watch_bytes
+        try:
+            for ev in stream.events(self.max_event_bytes):
+                self.stats.watch_bytes = base + stream.bytes_read
+                if self._stop.is_set():
+                    return
+                on_event(ev)
+        except LineTooLong as e:
+            raise ApiError(0, str(e)) from e
+        finally:
+            with self._lock:
+                self._stream = None
+            self.stats.watch_bytes = base + stream.bytes_read
+            stream.close()
+        lasted = self.mono() - opened
+        if lasted < min(MIN_HEALTHY_WATCH_S, timeout / 2) and not self._stop.is_set():
+            raise ApiError(0, f"the server ended the watch after {lasted:.2f}s")
+
 
 class NodeCache(WatchThread):
+    stats: NodeCacheStats
+
     def __init__(
         self,
         api: KubeApi,
@@ -127,27 +213,15 @@ class NodeCache(WatchThread):
         mono: Callable[[], float] = time.monotonic,
         initial_list: bool = False,
     ) -> None:
-        super().__init__()
-        self.api = api
-        self.node = node
+        super().__init__(api, node, watch_timeout_s, rng, max_event_bytes, backoff_cap_s, mono)
         self.on_change = on_change
-        self.watch_timeout_s = watch_timeout_s
-        self.rng = rng or random.Random()
-        self.max_event_bytes = max_event_bytes
-        self.backoff_cap_s = backoff_cap_s
-        self.mono = mono
         self.initial_list = initial_list
         self.selector = f"metadata.name={node}"
         self.stats = NodeCacheStats()
         self.log = get_logger(node=node, component="node-cache")
         self._node: NodeDict | None = None
         self._present = False  # the last list/watch said the Node exists
-        self._live = False  # the watch is kept: the cache is current
-        self._rv = ""  # where the next watch resumes
-        self._failures = 0
         self._gone_streak = 0
-        self._problem: str | None = None  # logged once per kind of failure
-        self.last_error: str | None = None
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"node-cache-{node}")
 
     # -- the caller's side ---------------------------------------------------------------------------
@@ -175,7 +249,7 @@ class NodeCache(WatchThread):
         node = self.api.get_node(self.node, resource_version="0")
         change = None
         with self._lock:
-            if self._live or (self._node is not None and self._present and not _newer(_rv(node), _rv(self._node))):
+            if self._live or (self._node is not None and self._present and not _newer(rv_of(node), rv_of(self._node))):
                 return self._node if self._node is not None and self._present else node
             change = self._set(node, present=True)
         self._notify(change)
@@ -217,7 +291,7 @@ class NodeCache(WatchThread):
             node.setdefault("apiVersion", "v1")
         with self._lock:
             change = self._set(node, present=node is not None)
-            self._rv = _rv(lst) or _rv(node)
+            self._rv = rv_of(lst) or rv_of(node)
             self._live = True
         self._synced.set()
         self._notify(change)
@@ -226,61 +300,35 @@ class NodeCache(WatchThread):
         timeout = int(self.watch_timeout_s * (1.0 + self.rng.random()))
         fresh = self._rv in ("", "0")  # from any version: the current Node comes first, as an ADDED event
         stream = self.api.watch_nodes(self.selector, self._rv or "0", max(1, timeout))
-        with self._lock:
-            if self._stop.is_set():
-                stream.close()
-                return
-            self._stream = stream
+        seen = False
+
+        def resuming() -> None:
             if not fresh:
                 self._live = True  # resuming from the version we hold: every change since then is on its way
-        self.stats.watches += 1
-        opened = self.mono()
-        base = self.stats.watch_bytes
-        seen = False
-        try:
-            for ev in stream.events(self.max_event_bytes):
-                self.stats.watch_bytes = base + stream.bytes_read
-                if self._stop.is_set():
-                    return
-                self._apply(ev)
-                if not seen:
-                    seen = True
-                    with self._lock:
-                        self._live = True
-                    self._synced.set()
-                    self._ok()
-        except LineTooLong as e:
-            raise ApiError(0, str(e)) from e
-        finally:
-            with self._lock:
-                self._stream = None
-            self.stats.watch_bytes = base + stream.bytes_read
-            stream.close()
-        lasted = self.mono() - opened
-        if lasted < min(MIN_HEALTHY_WATCH_S, timeout / 2) and not self._stop.is_set():
-            raise ApiError(0, f"the server ended the watch after {lasted:.2f}s")
+
+        def on_event(ev: dict[str, Any]) -> None:
+            nonlocal seen
+            self._apply(ev)
+            if not seen:
+                seen = True
+                with self._lock:
+                    self._live = True
+                self._synced.set()
+                self._ok()
+
+        self._follow(stream, timeout, on_event, resuming)
 
     def _apply(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("type")
-        obj = ev.get("object")
-        if not isinstance(obj, dict):
-            raise ApiError(0, f"watch event {kind!r} without an object")
-        if kind == "ERROR":
-            code = obj.get("code")
-            if code == 410:
-                raise Gone(str(obj.get("message", "resource version too old")))
-            raise ApiError(int(code) if isinstance(code, int) else 0, f"watch error: {obj.get('message', '')}")
-        rv = _rv(obj)
+        kind, obj = check_event(ev)
+        rv = rv_of(obj)
         if kind == "BOOKMARK":
             self.stats.bookmarks += 1
             with self._lock:
                 self._rv = rv or self._rv
             return
-        if kind not in ("ADDED", "MODIFIED", "DELETED"):
-            raise ApiError(0, f"unknown watch event type {kind!r}")
         self.stats.events += 1
         with self._lock:
-            held = _rv(self._node) if self._node is not None and self._present else ""
+            held = rv_of(self._node) if self._node is not None and self._present else ""
             if held and rv and not _newer(rv, held):  # an older state (a lagging apiserver's cache): keep ours
                 self._rv = held if self._rv in ("", "0") else self._rv
                 return
@@ -318,7 +366,7 @@ class NodeCache(WatchThread):
                     self._live = False
                 if e.status in (400, 504) and relist is not None:
                     relist = ("0", None)  # "too large resource version" and the like: any version will do
-                self._note(_kind_of(e), str(e))
+                self._note(error_kind(e), str(e))
                 if self.initial_list and relist is None and not self._rv:
                     relist = ("0", None)
                 self._failures += 1
@@ -358,7 +406,7 @@ class NodeCache(WatchThread):
             self._problem = kind
 
 
-def _kind_of(e: ApiError) -> str:
+def error_kind(e: ApiError) -> str:
     return {0: "unreachable", 401: "unauthorized", 403: "forbidden", 404: "not-found"}.get(e.status, f"http-{e.status}")
 
 

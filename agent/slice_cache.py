@@ -30,17 +30,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.kube import MAX_WATCH_LINE, ApiError, KubeApi, LineTooLong
+from agent.kube import MAX_WATCH_LINE, ApiError, KubeApi
 from agent.logs import get_logger
 from agent.node_cache import (
     BACKOFF_BASE_S,
     BACKOFF_CAP_S,
     FORBIDDEN_BACKOFF_CAP_S,
-    MIN_HEALTHY_WATCH_S,
     WATCH_TIMEOUT_S,
     Gone,
+    WatchStats,
     WatchThread,
     backoff_delay,
+    check_event,
+    error_kind,
+    rv_of,
 )
 from agent.probes.dra import DEFAULT_DRIVER, MAX_SLICES, SLICES_PATH, SliceRead
 
@@ -51,17 +54,11 @@ MAX_SLICE_EVENT = 2 * 1024 * 1024  # one ResourceSlice as JSON: etcd caps object
 
 
 @dataclass
-class SliceCacheStats:
+class SliceCacheStats(WatchStats):
     lists: int = 0  # LISTs (only when the apiserver refused a streaming list)
-    watches: int = 0
     resyncs: int = 0  # starts over (410 Gone, a store over MAX_STORED shrinking)
-    events: int = 0  # ADDED/MODIFIED/DELETED
-    bookmarks: int = 0
-    gone: int = 0
-    errors: int = 0
     reads: int = 0  # items() answered from the cache
     misses: int = 0  # items() while the watch was not kept (the caller lists)
-    watch_bytes: int = 0
 
 
 class _Resync(Exception):
@@ -72,11 +69,9 @@ def _name(obj: dict[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("name") or "")
 
 
-def _rv(obj: dict[str, Any] | None) -> str:
-    return str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
-
-
 class SliceCache(WatchThread):
+    stats: SliceCacheStats
+
     def __init__(
         self,
         api: KubeApi,
@@ -89,16 +84,9 @@ class SliceCache(WatchThread):
         absent_retry_s: float = ABSENT_RETRY_S,
         mono: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__()
-        self.api = api
-        self.node = node
+        super().__init__(api, node, watch_timeout_s, rng, max_event_bytes, backoff_cap_s, mono)
         self.driver = driver
-        self.watch_timeout_s = watch_timeout_s
-        self.rng = rng or random.Random()
-        self.max_event_bytes = max_event_bytes
-        self.backoff_cap_s = backoff_cap_s
         self.absent_retry_s = absent_retry_s
-        self.mono = mono
         self.selector = f"spec.nodeName={node},spec.driver={driver}"
         self.stats = SliceCacheStats()
         self.log = get_logger(node=node, component="slice-cache")
@@ -106,12 +94,7 @@ class SliceCache(WatchThread):
         self._slices: dict[str, dict[str, Any]] = {}  # name -> ResourceSlice, while live
         self._pending: dict[str, dict[str, Any]] | None = None  # the initial events of a streaming list
         self._overflow = False  # an ADDED was not stored (store full)
-        self._live = False  # the watch is kept: _slices is current
         self._absent = False  # the apiserver serves no resource.k8s.io/v1
-        self._rv = ""  # where the next watch resumes ("": start over)
-        self._failures = 0
-        self._problem: str | None = None
-        self.last_error: str | None = None
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"slice-cache-{node}")
 
     # -- the caller's side ---------------------------------------------------------------------------
@@ -150,7 +133,7 @@ class SliceCache(WatchThread):
                 store[_name(s)] = s
         with self._lock:
             self._slices, self._overflow = store, len(items) > MAX_STORED
-            self._rv = _rv(obj)
+            self._rv = rv_of(obj)
             self._live = True
         self._synced.set()
 
@@ -176,45 +159,20 @@ class SliceCache(WatchThread):
                 self.watch_list = False
                 self.log.info("the apiserver refused a streaming list; listing, then watching", error=str(e)[:300])
             raise
-        with self._lock:
-            if self._stop.is_set():
-                stream.close()
-                return
-            self._stream = stream
+
+        def start_pending() -> None:
             self._pending = {} if fresh else None
-        self.stats.watches += 1
-        opened = self.mono()
-        base = self.stats.watch_bytes
+
         try:
-            for ev in stream.events(self.max_event_bytes):
-                self.stats.watch_bytes = base + stream.bytes_read
-                if self._stop.is_set():
-                    return
-                self._apply(ev)
-        except LineTooLong as e:
-            raise ApiError(0, str(e)) from e
+            self._follow(stream, timeout, self._apply, start_pending)
         finally:
             with self._lock:
-                self._stream = None
                 if self._pending is not None:  # ended before the initial-events-end bookmark: start over
                     self._pending, self._rv = None, ""
-            self.stats.watch_bytes = base + stream.bytes_read
-            stream.close()
-        lasted = self.mono() - opened
-        if lasted < min(MIN_HEALTHY_WATCH_S, timeout / 2) and not self._stop.is_set():
-            raise ApiError(0, f"the server ended the watch after {lasted:.2f}s")
 
     def _apply(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("type")
-        obj = ev.get("object")
-        if not isinstance(obj, dict):
-            raise ApiError(0, f"watch event {kind!r} without an object")
-        if kind == "ERROR":
-            code = obj.get("code")
-            if code == 410:
-                raise Gone(str(obj.get("message", "resource version too old")))
-            raise ApiError(int(code) if isinstance(code, int) else 0, f"watch error: {obj.get('message', '')}")
-        rv = _rv(obj)
+        kind, obj = check_event(ev)
+        rv = rv_of(obj)
         if kind == "BOOKMARK":
             self.stats.bookmarks += 1
             annotations = (obj.get("metadata") or {}).get("annotations") or {}
@@ -230,8 +188,6 @@ class SliceCache(WatchThread):
                 self._synced.set()
                 self._ok()
             return
-        if kind not in ("ADDED", "MODIFIED", "DELETED"):
-            raise ApiError(0, f"unknown watch event type {kind!r}")
         name = _name(obj)
         if not name:
             raise ApiError(0, f"watch event {kind} of a ResourceSlice without a name")
@@ -272,7 +228,7 @@ class SliceCache(WatchThread):
                     self._live = False
                     self._rv = ""
                     self._absent = e.status == 404
-                self._note(_kind_of(e), str(e))
+                self._note(error_kind(e), str(e))
                 if e.status == 404:
                     self._synced.set()  # "no DRA here" is an answer
                     self._stop.wait(self.absent_retry_s)
@@ -313,7 +269,3 @@ class SliceCache(WatchThread):
                     error=error[:300],
                 )
             self._problem = kind
-
-
-def _kind_of(e: ApiError) -> str:
-    return {0: "unreachable", 401: "unauthorized", 403: "forbidden", 404: "not-found"}.get(e.status, f"http-{e.status}")

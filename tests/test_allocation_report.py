@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -19,6 +20,7 @@ from agent.allocation import (
     build_map,
     inventory_from,
 )
+from agent.kube import KubeApi
 from agent.model import Counts, GpuStatus, PciAddress, Reason, Status, Verdict
 from agent.report.allocation import (
     EVENT_REASON,
@@ -269,15 +271,17 @@ def test_fenced_gpu_in_table_and_metrics():
 # -- Pod Events on the real apiserver --------------------------------------------------------------------------
 
 
-@pytest.mark.apiserver
-def test_pod_events_land_on_the_pod_with_its_uid(admin):
+def _train_pod(admin: KubeApi) -> tuple[str, dict[str, Any]]:
+    """A Pod `train-0` in a new namespace: (namespace, the Pod as created)."""
     ns = f"blast-{secrets.token_hex(3)}"
     ensure_namespace(admin, ns)
-    p = admin.request(
-        "POST",
-        f"/api/v1/namespaces/{ns}/pods",
-        {"metadata": {"name": "train-0"}, "spec": {"containers": [{"name": "main", "image": "x"}]}},
-    )
+    pod = {"metadata": {"name": "train-0"}, "spec": {"containers": [{"name": "main", "image": "x"}]}}
+    return ns, admin.request("POST", f"/api/v1/namespaces/{ns}/pods", pod)
+
+
+@pytest.mark.apiserver
+def test_pod_events_land_on_the_pod_with_its_uid(admin):
+    ns, p = _train_pod(admin)
     uids = PodUids(admin)
     rep = EventReporter(admin, "node-a", 300.0, uid_of=uids)
     br = BlastRadius("node-a")
@@ -336,13 +340,7 @@ def test_agent_blast_radius_end_to_end(agent_factory, admin, simhost):
     from tests.test_gpus_cli import pod as grpc_pod
     from tests.test_grpc_unix import pb, serve_pod_resources
 
-    ns = f"blast-{secrets.token_hex(3)}"
-    ensure_namespace(admin, ns)
-    p = admin.request(
-        "POST",
-        f"/api/v1/namespaces/{ns}/pods",
-        {"metadata": {"name": "train-0"}, "spec": {"containers": [{"name": "main", "image": "x"}]}},
-    )
+    ns, p = _train_pod(admin)
     gpus = simhost.gpu_uuids()
 
     def pod_events() -> list[dict]:
