@@ -7,21 +7,21 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any, NoReturn
 
 from agent import __version__
 from agent import config as config_mod
+from agent.act.fencing import FenceEffect, FenceReporter, FenceResult, FencingSettings
 from agent.allocation import AllocationMap
 from agent.checks import CheckSuite
-from agent.kmsg_watch import KmsgSource, KmsgUnavailable, place_events
-from agent.kube import ApiError, KubeApi
+from agent.kernel_log.watcher import KernelLog, place_events, read_once
+from agent.kernel_log.xid import KernelLogParser, XidClassifier
+from agent.kube.client import ApiError, KubeApi
 from agent.logs import setup_logging
-from agent.model import Check, Finding, LatchedFault, Observation, Status, Verdict, XidEvent
-from agent.report.allocation import gpus_json, render_gpus
+from agent.model import LatchedFault, Observation, Status, Verdict, XidEvent
+from agent.report.blast_radius import gpus_json, render_gpus
 from agent.report.condition import on_node, render_on_node
-from agent.report.fencing import FenceEffect, FenceReporter, FenceResult, FencingSettings
 from agent.verdict import decide
-from agent.xid import KernelLogParser, XidClassifier
 
 EXIT = {Status.TRUE: 0, Status.FALSE: 1, Status.UNKNOWN: 2}
 CHECK_FLAGS = (
@@ -82,32 +82,14 @@ def classifier_from(cfg: config_mod.Config) -> XidClassifier:
     return XidClassifier(cfg.xid_fatal, cfg.xid_ignore, cfg.unknown_xid_fatal)
 
 
-class KernelLog(NamedTuple):
-    events: list[XidEvent]
-    problem: Finding | None  # the log could not be read (to the end)
-    device: bool  # the kernel's /dev/kmsg: record stamps share the monotonic clock's base
-    newest_usec: int | None  # the newest record's stamp (a file's "now")
-
-
 def read_kernel_log(cfg: config_mod.Config) -> KernelLog:
-    """Reads every record in the kernel log once (the whole ring buffer on /dev/kmsg)."""
-    src = KmsgSource(cfg.kmsg, trust_user=cfg.kmsg_trust_user)
-    parser = KernelLogParser(classifier_from(cfg))
-    events: list[XidEvent] = []
-    newest: int | None = None
-    problem: Finding | None = None
-    try:
-        src.open()
-        for records in src.drain():
-            for r in records:
-                events += parser.feed(r.text, r.seq, r.usec)
-                if r.usec is not None:
-                    newest = r.usec if newest is None else max(newest, r.usec)
-    except KmsgUnavailable as e:
-        problem = Finding.unchecked(Check.XID, str(e), kind="kmsg_unavailable")
-    finally:
-        src.close()
-    return KernelLog(events, problem, src.is_device, newest)
+    """Every record in the kernel log once (the whole ring buffer on /dev/kmsg)."""
+    return read_once(cfg.kmsg, KernelLogParser(classifier_from(cfg)), cfg.kmsg_trust_user)
+
+
+def latched_from(log: KernelLog, now: float) -> list[LatchedFault]:
+    """A one-shot read's fatal events as the latch would hold them."""
+    return [LatchedFault(x.xid, x.raw_address, x.address, x.source, x.text, now) for x in log.events if x.fatal]
 
 
 def render_table(v: Verdict, xids: list[XidEvent]) -> str:
@@ -245,18 +227,18 @@ def cmd_check(args: argparse.Namespace) -> int:
             node_error = str(e)
         except Exception as e:  # kubeconfig missing or unreadable
             node_error = f"{type(e).__name__}: {e}"
-    suite = CheckSuite(cfg, api=api if node is not None else None)
     log = read_kernel_log(cfg)
-    xids, kmsg_problem = log.events, log.problem
-    # The Xid rate over the log read once: each event at its kernel-log time (kmsg_watch.place_events).
+    suite = CheckSuite(
+        cfg,
+        api=api if node is not None else None,
+        kernel_log=lambda: log.problem,
+    )
+    xids = log.events
+    # The Xid rate over the log read once: each event at its kernel-log time.
     suite.xid_rate.observe_at(place_events(xids, device=log.device, now=suite.clock(), newest_usec=log.newest_usec))
-    obs, _stats = suite.run(node, node_error, plugin_grace_s=0.0)
-    if kmsg_problem is not None:
-        obs.findings.append(kmsg_problem)
-    now = time.time()
-    latched = [LatchedFault(x.xid, x.raw_address, x.address, x.source, x.text, now) for x in xids if x.fatal]
+    obs, _stats = suite.run(node, node_error, one_shot=True)
     obs.xids = xids
-    v = decide(obs, latched)
+    v = decide(obs, latched_from(log, time.time()))
     fencing = preview_fencing(api, args.node, cfg, v, suite) if api is not None and node is not None else None
     shown = on_node(node, cfg.condition_type, cfg.taint_key) if node is not None else None
     if args.json:
@@ -272,19 +254,14 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     with one line when pod-resources cannot be read; 0 otherwise (health is shown, not the exit code)."""
     cfg = config_mod.load(args, overrides={"pod_resources": True})
     setup_logging(cfg.log_format, cfg.log_level)
-    suite = CheckSuite(cfg)
-    obs, _stats = suite.run(None, None, plugin_grace_s=0.0)
+    log = read_kernel_log(cfg)  # a GPU with a fatal Xid in this boot's log is shown UNHEALTHY, as `check` does
+    suite = CheckSuite(cfg, kernel_log=lambda: log.problem)
+    obs, _stats = suite.run(None, None, one_shot=True)
     amap, why = allocation_of(suite, obs, cfg)
     if amap is None:
         print(f"gpu-ready: cannot read pod-resources at {cfg.pod_resources_socket}: {why}", file=sys.stderr)
         return 2
-    log = read_kernel_log(cfg)  # a GPU with a fatal Xid in this boot's log is shown UNHEALTHY, as `check` does
-    if log.problem is not None:
-        obs.findings.append(log.problem)
-    now = time.time()
-    v = decide(
-        obs, [LatchedFault(x.xid, x.raw_address, x.address, x.source, x.text, now) for x in log.events if x.fatal]
-    )
+    v = decide(obs, latched_from(log, time.time()))
     if args.json:
         print(json.dumps(gpus_json(amap, v), indent=2))
     else:
@@ -292,12 +269,29 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error (unknown flag, missing subcommand or value, bad choice, exclusive flags) is one line on
+    stderr, `gpu-ready <cmd>: error: <message>`, and exit 2; `--help` still prints the whole help."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+def command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The subcommand's own parser (the top-level one when there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            found: argparse.ArgumentParser = action.choices[command]
+            return found
+    return parser
+
+
 def build_parser(with_preflight: bool = True) -> argparse.ArgumentParser:
     """`with_preflight`: the preflight subcommand's own flags (they import agent.preflight: `run` and `check`
     go without it)."""
-    p = argparse.ArgumentParser(prog="gpu-ready", description=__doc__)
+    p = OneLineParser(prog="gpu-ready", description=__doc__)
     p.add_argument("--version", action="version", version=f"gpu-ready {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     c = sub.add_parser("check", help="run every check once and print the verdict (exit 0 True, 1 False, 2 Unknown)")
     config_mod.add_flags(c, CHECK_FLAGS)
     src = c.add_mutually_exclusive_group()
@@ -341,7 +335,9 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(with_preflight=wants_preflight(argv))
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand's parser: `gpu-ready check: error: unrecognized arguments: --x`
+        command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         setup_logging()  # `check` and `run` set it again from their settings (flag, env or file)
         return int(args.func(args))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import lru_cache
@@ -48,6 +48,9 @@ def _parse_address(text: str) -> PciAddress | None:
     if not m:
         return None
     return PciAddress(int(m["domain"] or "0", 16), int(m["bus"], 16), int(m["device"], 16))
+
+
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")  # the API accepts no others: a bounded label set
 
 
 class Status(StrEnum):
@@ -142,7 +145,17 @@ class ProbeResult:
     count: int | None = None  # GPUs this source counts; None when it could not count
     ran: bool = True
     timed_out: bool = False
-    counts: Mapping[str, int | None] = field(default_factory=dict)  # named sub-counts (device plugin)
+    counts: Mapping[str, int | None] = field(default_factory=dict)  # named counts (`Counts` fields among them)
+    inventory: bool = False  # `gpus` is an inventory the verdict compares across sources (nvidia-smi, PCI)
+    # What the source read beyond findings, for the probes after it in the same cycle and for the actions (NVML's
+    # per-GPU samples, the DRA inventory, the allocation map). The verdict never looks at it.
+    payload: Any = field(default=None, compare=False)
+
+    @classmethod
+    def of(cls, check: Check, findings: Iterable[Finding] = (), **kw: Any) -> ProbeResult:
+        """A result whose `ran` follows its findings: False when one says the source could not be read."""
+        fs = tuple(findings)
+        return cls(check, fs, ran=not any(f.severity is Severity.UNCHECKED for f in fs), **kw)
 
     @property
     def addresses(self) -> frozenset[PciAddress]:

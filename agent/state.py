@@ -70,10 +70,14 @@ class LatchState:
     # -- persistence ----------------------------------------------------------------------------------
 
     def load(self) -> str:
-        """Loads the file; returns what happened ("new", "loaded", "boot_changed", "corrupt")."""
+        """Loads the file; returns what happened ("new", "loaded", "boot_changed", "corrupt"). Temporary files a
+        crash left behind are removed first, and the state is written back at once, so that a state dir that
+        cannot be written is known (`write_problem`) before the first verdict, not only at the first latch."""
+        self._remove_stale_temp_files()
         try:
             raw = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing there (a file where the dir should be)
+            self.save()
             return "new"
         except (OSError, UnicodeDecodeError) as e:
             self.load_problem = f"cannot read {self.path}: {getattr(e, 'strerror', None) or e}"
@@ -97,8 +101,9 @@ class LatchState:
                 self.cleared_before = float(data.get("cleared_before", 0.0))
                 self.cleared_seq = int(data.get("cleared_seq", -1))
                 self.rejected_clears = {str(x) for x in data.get("rejected_clears", [])}
+            self.save()  # the same content: proves the dir writable before the first verdict
             return "loaded"
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
             aside = self.path.with_name(f"state.json.corrupt-{int(time.time())}")
             try:
                 os.replace(self.path, aside)
@@ -107,6 +112,22 @@ class LatchState:
             self.load_problem = f"corrupt state file ({e}); moved to {aside.name} and started fresh"
             self.save()
             return "corrupt"
+
+    def _remove_stale_temp_files(self) -> None:
+        """Removes `.state.json.*.tmp` files (save()'s own naming) that a crash between the write and the
+        rename left behind; they are never read (the rename is what makes a state current)."""
+        with self._write_lock:
+            try:
+                stale = list(self.path.parent.glob(f".{self.path.name}.*.tmp"))
+            except OSError:
+                return
+            for p in stale:
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
+                else:
+                    self.log.info("removed a temporary state file left by an earlier crash", file=p.name)
 
     def _snapshot_json(self) -> dict[str, Any]:
         with self._lock:

@@ -176,7 +176,7 @@ def window(sampler: ProcSampler, t_from: float, t_to: float | None = None) -> di
 
 SPAWNED_COST = r"""
 import os, resource, sys, threading, time
-import agent.kube, agent.runner  # the agent's size
+import agent.kube.client, agent.runner  # the agent's size
 from agent.probes.nvidia_smi import NvidiaSmiRunner
 runs, true = int(sys.argv[1]), "/bin/true"
 def cost(fn):
@@ -201,7 +201,7 @@ def spawned_cpu_ms(runs: int = 100) -> dict[str, float]:
     """What one nvidia-smi run costs besides nvidia-smi itself, measured in a fresh process the agent's size
     (it imports what `gpu-ready run` imports): `runs` runs of agent/probes/nvidia_smi.py's runner around
     /bin/true against as many plain spawns of /bin/true. `spawned_ms`: the CPU of every other process a run
-    starts (before issue 19: a `python -I -S` supervisor per poll, 17-20 ms; now none, so about 0: measured,
+    starts (when a supervisor ran nvidia-smi: a `python -I -S` process per poll, 17-20 ms; now none, so about 0: measured,
     not assumed); `agent_ms`: the extra CPU of the agent process itself (already inside its own CPU figure)."""
     import subprocess
     import sys

@@ -1,12 +1,12 @@
-"""The fleet benchmark (issue 20): what gpu-ready costs the apiserver and etcd per node, beside kubelet.
+"""The fleet benchmark: what gpu-ready costs the apiserver and etcd per node, beside kubelet.
 
 One process drives many agent identities against the real apiserver. Each identity has its own Node
 (shaped like a GPU node: 50 images in status.images, GPU feature-discovery labels), its own client
-(agent.kube.KubeApi, the agent's client) and the agent's request pattern made by the agent's own
-code: agent.node_cache.NodeCache for the Node, agent.slice_cache.SliceCache for its DRA ResourceSlices (the
+(agent.kube.client.KubeApi, the agent's client) and the agent's request pattern made by the agent's own
+code: agent.kube.node_cache.NodeCache for the Node, agent.kube.slice_cache.SliceCache for its DRA ResourceSlices (the
 CheckSuite's DRA-aware count; a LIST per poll, from the apiserver's cache, where there is no watch),
 agent.report.condition.ConditionReporter for the
-condition heartbeat (jittered with agent.node_cache.heartbeat_delay), agent.report.events.EventReporter
+condition heartbeat (jittered with agent.kube.backoff.heartbeat_delay), agent.report.events.EventReporter
 for Events on transitions. Kubelet's pattern (a Lease renewed every 10 s, a node status GET
 resourceVersion=0 + PATCH every 5 minutes, one watch on its Node) runs for the same Nodes in the same
 run. The figures come from the apiserver's own /metrics: apiserver_request_total (verb, resource),
@@ -50,14 +50,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.kube import ApiError, KubeApi
+from agent.kube.backoff import first_write_delay, heartbeat_delay
+from agent.kube.client import ApiError, KubeApi
+from agent.kube.node_cache import NodeCache
+from agent.kube.slice_cache import SliceCache
+from agent.kube.watch import WATCH_TIMEOUT_S
 from agent.logs import setup_logging
 from agent.model import Reason, Status, Verdict
-from agent.node_cache import WATCH_TIMEOUT_S, NodeCache, first_write_delay, heartbeat_delay
 from agent.probes.dra import SliceRead, read_node_slices
 from agent.report.condition import ConditionReporter
 from agent.report.events import EventReporter
-from agent.slice_cache import SliceCache
 from bench.common import machine, save, table
 from testkit.controlplane import ControlPlane
 
@@ -69,7 +71,7 @@ FLEET = 10_000
 KUBELET_LEASE_S = 10.0
 KUBELET_STATUS_S = 300.0
 KUBELET_WATCH_S = 300.0  # client-go's reflector: a watch lasts uniform(1, 2) x this
-AGENT_WATCH_S = WATCH_TIMEOUT_S  # agent.node_cache: uniform(1, 2) x this
+AGENT_WATCH_S = WATCH_TIMEOUT_S  # agent.kube.node_cache: uniform(1, 2) x this
 SLICE_WATCH_FACTOR = 2.0  # the runner's SliceCache watches last twice the Node's (agent/runner.py)
 AGENT_POLL_S = 30.0  # gpu-ready defaults (agent/config.py)
 AGENT_HEARTBEAT_S = 300.0

@@ -4,21 +4,27 @@ for N seconds (default 600): peak and steady RSS, average CPU in millicores (psu
 CPU is counted three ways, so none hides another: the agent process's own CPU; its children's (each poll's
 simulated nvidia-smi, itself a Python script: a real nvidia-smi costs what it costs on any agent); and the
 agent plus every other process it starts per poll (`spawned_cpu_ms_per_poll`, measured around /bin/true by
-bench.common.spawned_cpu_ms: since issue 19 there is none, the agent starts nvidia-smi itself), the honest
-figure for what gpu-ready adds."""
+bench.common.spawned_cpu_ms: there is none, the agent starts nvidia-smi itself), the honest
+figure for what gpu-ready adds. Also the PCI scan's time on a simulated 200-function sysfs (`pci_scan_*_ms`; the
+files it reads are counted in tests/test_footprint.py)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agent.model import PciAddress
+from agent.probes.pci import PciScanner, list_pci_gpus
 from bench.common import AGENT_DEFAULTS, ProcSampler, launch, millicores, percentile, save, spawned_cpu_ms
 from testkit.controlplane import ControlPlane
 from testkit.harness import AgentProc, wait_for
+from testkit.simhost import SimHost
 
 
 def start(cp: ControlPlane, python: str | None = None) -> tuple[AgentProc, Any]:
@@ -28,6 +34,30 @@ def start(cp: ControlPlane, python: str | None = None) -> tuple[AgentProc, Any]:
     agent = launch(cp, work, "bench-footprint", AGENT_DEFAULTS, python=python)
     sampler = ProcSampler(agent.proc.pid, 1.0).start()  # type: ignore[union-attr]
     return agent, sampler
+
+
+def pci_scan_ms(functions: int = 200, runs: int = 30) -> dict[str, float]:
+    """The best of `runs` PCI scans (ms) of a simulated sysfs with 8 GPUs among `functions` PCI functions: from
+    nothing (list_pci_gpus, as `gpu-ready check` does) and with the scanner kept (the agent's every cycle)."""
+    host = SimHost(Path(tempfile.mkdtemp(prefix="bench-pci-")) / "host", gpus=8, pcie_bridges=True)
+    n = len(os.listdir(host.devices))
+    filler = 0
+    while n < functions:  # other vendors' functions (bridges, NICs) on another PCI domain
+        host.add_pci_function(PciAddress(1, 0x10 + filler // 8, filler % 8), 0, 0x060400, 0x1234, vendor=0x8086)
+        filler, n = filler + 1, n + 1
+    root = str(host.sysfs)
+    scanner = PciScanner(root)
+    scanner.scan()
+
+    def best(scan: Callable[[], object]) -> float:
+        times = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            scan()
+            times.append(time.perf_counter() - t)
+        return round(min(times) * 1000, 3)  # the best run: load on the host only adds
+
+    return {"pci_scan_fresh_ms": best(lambda: list_pci_gpus(root)), "pci_scan_kept_ms": best(scanner.scan)}
 
 
 def finish(agent: AgentProc, sampler: ProcSampler, seconds: float) -> dict[str, Any]:
@@ -62,6 +92,7 @@ def finish(agent: AgentProc, sampler: ProcSampler, seconds: float) -> dict[str, 
         "spawned_cpu_ms_per_poll": spawned["spawned_ms"],
         "agent_cpu_ms_per_nvidia_smi_run": spawned["agent_ms"],
         "cpu_steady_with_spawned_millicores": round(own_steady + spawned["spawned_ms"] * polls_per_s, 3),
+        **pci_scan_ms(),
     }
     save("footprint", res)
     return res

@@ -8,7 +8,7 @@ Then the steady state side by side: NPD started once more, and after a warm-up b
 over the same window (`--steady-seconds`) for RSS and CPU. gpu-ready runs at its default intervals (poll
 30 s) with the image's packages only (bench.common.runtime_python); its CPU is given as the process's own and
 with what every other process it starts per poll costs added (bench.common.spawned_cpu_ms: nvidia-smi itself
-not counted, nothing else since issue 19); NPD runs no child process. Both agents' CPU and RSS come from the
+not counted, nothing else: the agent starts nvidia-smi itself); NPD runs no child process. Both agents' CPU and RSS come from the
 same sampler over the same window, so the ratios compare one run."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.kmsg_watch import KmsgSource
-from agent.xid import KernelLogParser
+from agent.kernel_log.source import KmsgSource
+from agent.kernel_log.xid import KernelLogParser
 from bench.common import (
     AGENT_DEFAULTS,
     NodeWatch,

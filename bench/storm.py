@@ -13,11 +13,12 @@ from typing import Any
 
 import psutil
 
-from agent.kmsg_watch import KMSG_BATCH, KernelLogIngest, KmsgSource, format_record
+from agent.kernel_log.source import KmsgSource, format_record
+from agent.kernel_log.watcher import KMSG_BATCH, KernelLogIngest
+from agent.kernel_log.xid import KernelLogParser
 from agent.model import PciAddress
 from agent.report.metrics import Metrics
 from agent.state import LatchState
-from agent.xid import KernelLogParser
 from bench.common import ProcSampler, save
 from testkit.controlplane import ControlPlane
 from testkit.harness import launch_agent, wait_for

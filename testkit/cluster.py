@@ -8,7 +8,7 @@ import secrets
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.kube import ApiError, KubeApi
+from agent.kube.client import ApiError, KubeApi
 
 
 def now_rfc3339() -> str:

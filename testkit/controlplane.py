@@ -13,6 +13,7 @@ in the work directory that are kept for failure output (`log_tail(component)`)."
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -27,7 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from agent.kube import ApiError, KubeApi
+from agent.kube.client import ApiError, KubeApi
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -323,3 +324,12 @@ def terminate_group(p: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         p.wait(10)
+
+
+def etcd_request(cp: ControlPlane, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A request to etcd's JSON gateway (v3) on the control plane's own etcd (e.g. /v3/kv/put, /v3/kv/compaction)."""
+    url = next(a.split("=", 1)[1] for a in cp._etcd_args if a.startswith("--listen-client-urls=")).split(",")[0]
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        out: dict[str, Any] = json.loads(r.read())
+    return out

@@ -16,7 +16,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from agent.kube import KubeApi
+from agent.kube.client import KubeApi
 from testkit.cluster import AGENT_RULES, condition, create_node, service_account_client
 from testkit.controlplane import ControlPlane, free_port
 from testkit.simhost import SimHost

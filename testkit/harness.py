@@ -11,12 +11,15 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agent.kube import KubeApi
+from agent.kube.client import KubeApi
 from testkit.cluster import condition
 from testkit.controlplane import ControlPlane, free_port
 from testkit.simhost import SimHost
+
+if TYPE_CHECKING:
+    from agent.runner import Agent
 
 FAST = {
     "--poll-interval": "0.5",
@@ -189,3 +192,29 @@ class AgentProc:
             return wait_for(ok, timeout, what=f"GPUReady={status} {reason or ''}")
         except AssertionError as e:
             raise AssertionError(f"{e}\n--- agent log ---\n{self.logs()[-4000:]}") from None
+
+
+def in_process_agent(api: KubeApi, node: str, host: SimHost, **over: Any) -> Agent:
+    """The agent's runner in this process (not started) for `node` on the simulated `host`, polling every 0.3 s;
+    `over`: settings that replace these."""
+    from agent import config
+    from agent.runner import Agent
+
+    args = host.agent_args()
+    flags = {args[i].lstrip("-").replace("-", "_"): args[i + 1] for i in range(0, len(args), 2)}
+    settings = {
+        **flags,
+        "node_name": node,
+        "poll_interval": 0.3,
+        "plugin_grace": 0,
+        "recovery_polls": 1,
+        "metrics_address": "127.0.0.1:0",
+        "api_timeout": 5,
+        **over,
+    }
+    return Agent(config.load(None, environ={}, overrides=settings), api=api)
+
+
+def wait_cycles(agent: Agent, n: int) -> None:
+    start = agent.cycles
+    wait_for(lambda: agent.cycles >= start + n, 20, what=f"{n} more check cycles")

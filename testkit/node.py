@@ -11,7 +11,7 @@ gets an address from the benchmarking range (198.18.0.0/15) on a bridge that not
 listens on 127.0.0.1 only; pods run with hostNetwork and reach the apiserver at 127.0.0.1 (explicit
 KUBERNETES_SERVICE_HOST/PORT), so the node needs no CNI network, kube-proxy or DNS.
 
-Measured needs on this kind of machine (cgroup v1 hybrid, no CAP_SYS_RESOURCE), shared/reference/real-node.md:
+Measured needs on this kind of machine (cgroup v1 hybrid, no CAP_SYS_RESOURCE):
 kubelet `failCgroupV1: false`, `cgroupDriver: cgroupfs`, `failSwapOn: false`; containerd
 `restrict_oom_score_adj = true` and runc (not crun)."""
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.kube import ApiError, KubeApi
+from agent.kube.client import ApiError, KubeApi
 from testkit.controlplane import REPO, ControlPlane, free_port, terminate_group, testbin_dir
 from testkit.harness import wait_for
 

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.kmsg_watch import KmsgSource, format_record
+from agent.kernel_log.source import KmsgSource, format_record
 from agent.model import PciAddress
 
-# Bus ids of the 8-GPU H100 node in shared/fixtures/smi-table-healthy-h100x8-550.90.07-gpud-fixture.txt
+# Bus ids of the 8-GPU H100 node in tests/fixtures/smi-table-healthy-h100x8-550.90.07-gpud-fixture.txt
 H100X8_BUSES = (0x19, 0x3B, 0x4C, 0x5D, 0x9B, 0xBB, 0xCB, 0xDB)
 
 STANDIN = r"""#!{python}
@@ -540,7 +540,7 @@ def buses_free_in_kmsg(n: int = 8, device: str = "/dev/kmsg") -> tuple[int, ...]
     simulated GPU on one of those buses would read as failed before its test writes anything."""
     import random
 
-    from agent.xid import KernelLogParser
+    from agent.kernel_log.xid import KernelLogParser
 
     used: set[int] = set()
     src, parser = KmsgSource(device, trust_user=True), KernelLogParser()

@@ -2,42 +2,22 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from agent.kube import ApiError, KubeApi
+from agent.kube.client import ApiError, KubeApi
 from testkit.cluster import create_node, service_account_client
-from testkit.controlplane import ControlPlane, testbin_dir
+from testkit.controlplane import ControlPlane
+from testkit.fakes import HUNG
 from testkit.simhost import SimHost
-from tests.fakes import HUNG
+from testkit.testbin import require_testbin
 
-FIXTURES = Path(__file__).parent / "fixtures"  # every sample the tests read; provenance in SOURCES.md
-IN_CI = os.environ.get("CI") == "true"
-
-
-def fixture_path(name: str) -> Path:
-    path = FIXTURES / name
-    if not path.exists():
-        raise FileNotFoundError(f"fixture {name} not found in {FIXTURES}")
-    return path
-
-
-def require_testbin(*binaries: str) -> Path:
-    """The testbin directory holding `binaries`; skips the test when one is missing, except under CI=true,
-    where a missing binary fails the run (it never skips there)."""
-    bd = testbin_dir()
-    missing = [b for b in binaries if bd is None or not (bd / b).exists()]
-    if missing or bd is None:
-        msg = f"{', '.join(missing)} not built (looked in {bd}); run tools/k8s-testbin/build.sh"
-        if IN_CI:
-            pytest.fail(msg + " -- under CI=true a missing binary fails the run", pytrace=False)
-        pytest.skip(msg)
-    return bd
+if TYPE_CHECKING:
+    from testkit.scheduling import SchedulerPlane
 
 
 @pytest.fixture(scope="session")
@@ -148,7 +128,34 @@ def agent_factory(control_plane, admin, simhost, make_node, sa_client) -> Iterat
 
 @pytest.fixture(autouse=True)
 def _release_hung_nvml_calls() -> Iterator[None]:
-    """Ends the simulated hung NVML calls of a test (tests/fakes.py) when it is over."""
+    """Ends the simulated hung NVML calls of a test (testkit/fakes.py) when it is over."""
     yield
     while HUNG:
         HUNG.pop().set()
+
+
+@pytest.fixture(scope="module")
+def sched_plane() -> Iterator[SchedulerPlane]:
+    """A control plane with the real kube-scheduler and kube-controller-manager (NoExecute taint eviction) and a
+    namespace for the module's Pods (testkit/scheduling.py), one per module."""
+    from testkit.scheduling import BINARIES, SchedulerPlane
+
+    bd = require_testbin(*BINARIES)
+    cp = ControlPlane(bd)
+    admin: KubeApi | None = None
+    try:
+        cp.start()
+        cp.start_scheduler()
+        cp.start_controller_manager()
+        print(
+            f"\n[control plane] kube-apiserver {cp.start_seconds:.1f}s, "
+            + ", ".join(f"{k} {v:.1f}s" for k, v in cp.component_start_seconds.items())
+        )
+        admin = cp.admin()
+        ns = f"taints-{secrets.token_hex(3)}"
+        admin.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
+        yield SchedulerPlane(cp, admin, ns)
+    finally:
+        if admin is not None:
+            admin.close()
+        cp.stop()

@@ -444,7 +444,7 @@ def refuse_events_for(admin, node: str) -> str:
 
 
 def test_xid_reaches_the_node_within_a_second_while_every_event_gets_422(admin, agent_factory, make_node, simhost):
-    from agent.kube import ApiError
+    from agent.kube.client import ApiError
 
     node = make_node(labels={"nvidia.com/gpu.present": "true"}, capacity=simhost.plugin_resources())
     policy = refuse_events_for(admin, node)

@@ -1,4 +1,4 @@
-"""The agent's own Node from a watch (issue 20, phase 2), with the REAL agent process on the real apiserver: a
+"""The agent's own Node from a watch, with the REAL agent process on the real apiserver: a
 `clear-before` annotation and the preflight label take effect within a second although the poll is 30 s (the
 watch wakes the loop; no nvidia-smi run), the agent keeps working across watch renewals, a 410 Gone and an
 apiserver restart, and a steady state makes no Node GET at all (with the watch off: GET resourceVersion=0,
@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 from agent import config
-from agent.kube import KubeApi
+from agent.kube.client import KubeApi
 from agent.runner import Agent
 from bench.fleet import parse_samples, read_metrics_text, total
 from testkit.cluster import AGENT_RULES, condition
-from testkit.harness import AgentProc, wait_for
+from testkit.controlplane import etcd_request
+from testkit.harness import AgentProc, in_process_agent, wait_cycles, wait_for
 from testkit.simhost import SimHost
-from tests.test_node_cache import etcd
 
 pytestmark = pytest.mark.apiserver
 
@@ -124,8 +124,9 @@ def test_keeps_working_across_watch_renewals_410_gone_and_an_apiserver_restart(c
             restored = watches_restored(a)
             cp.stop_apiserver()
             for i in range(5):  # etcd moves on ...
-                r = etcd(cp, "/v3/kv/put", {"key": base64.b64encode(f"/w4-bump/{i}".encode()).decode()})
-            etcd(cp, "/v3/kv/compaction", {"revision": r["header"]["revision"], "physical": True})  # ... and forgets
+                r = etcd_request(cp, "/v3/kv/put", {"key": base64.b64encode(f"/w4-bump/{i}".encode()).decode()})
+            # ... and forgets
+            etcd_request(cp, "/v3/kv/compaction", {"revision": r["header"]["revision"], "physical": True})
             host.append_xid(79, 2)
             wait_for(lambda: a.metric("gpu_ready_latched_faults") == 1, 20, what="latched while the API is down")
             wait_for(lambda: requests_of(a, "WATCH", "0") >= 1, 40, what="the watch noticing the apiserver is gone")
@@ -174,7 +175,7 @@ def test_steady_state_reads_no_node_from_etcd(admin, agent_factory, simhost, wat
     assert etcd1 == etcd0, "a quorum read of the Node in the steady state"
     if watch:
         assert agent_gets == 0 and gets1 == gets0
-        # one long-lived watch of the Node and one of its ResourceSlices (agent/slice_cache.py)
+        # one long-lived watch of the Node and one of its ResourceSlices (agent/kube/slice_cache.py)
         assert requests_of(a, "WATCH") == requests_of(a, "WATCH", "200") == 2
     else:
         assert agent_gets >= polls - 1 and gets1 - gets0 >= polls - 1
@@ -182,27 +183,6 @@ def test_steady_state_reads_no_node_from_etcd(admin, agent_factory, simhost, wat
 
 
 # -- in-process: the start-up spread and the heartbeat jitter -------------------------------------------------------
-
-
-def in_process_agent(api: KubeApi, node: str, host: SimHost, **over: Any) -> Agent:
-    args = host.agent_args()
-    flags = {args[i].lstrip("-").replace("-", "_"): args[i + 1] for i in range(0, len(args), 2)}
-    settings = {
-        **flags,
-        "node_name": node,
-        "poll_interval": 0.3,
-        "plugin_grace": 0,
-        "recovery_polls": 1,
-        "metrics_address": "127.0.0.1:0",
-        "api_timeout": 5,
-        **over,
-    }
-    return Agent(config.load(None, environ={}, overrides=settings), api=api)
-
-
-def wait_cycles(agent: Agent, n: int) -> None:
-    start = agent.cycles
-    wait_for(lambda: agent.cycles >= start + n, 20, what=f"{n} more check cycles")
 
 
 def test_first_write_waits_for_its_moment_unless_the_status_changes(admin, make_node, sa_client, tmp_path):

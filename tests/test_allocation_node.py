@@ -1,4 +1,4 @@
-"""The allocation map (issue 17) against the real kubelet: a test device plugin (testkit/deviceplugin.py) registers
+"""The allocation map against the real kubelet: a test device plugin (testkit/deviceplugin.py) registers
 whole GPUs, time-sliced replicas and MIG instances of a simulated host with kubelet's Device Plugin API, real Pods
 (hostNetwork, the pause image) request them through the real scheduler, and the agent, a host process pointed at
 kubelet's pod-resources socket, reports which pod holds which GPU.
@@ -25,14 +25,14 @@ from typing import Any
 
 import pytest
 
-from agent.kube import KubeApi
+from agent.kube.client import KubeApi
 from agent.model import PciAddress
 from testkit.controlplane import REPO
 from testkit.deviceplugin import DevicePlugin, env_name, mig_ids, read_allocated_env, replica_ids, wait_registered
 from testkit.harness import AgentProc, wait_for
 from testkit.node import NodeControlPlane, RealNode
+from testkit.realnode import real_node, skip_or_fail
 from testkit.simhost import SimHost
-from tests.realnode import real_node, skip_or_fail
 
 pytestmark = [pytest.mark.node, pytest.mark.slow]
 

@@ -13,16 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.kube import ApiError
+from agent.kube.client import ApiError
+from testkit.chart import CHART, KUBE_VERSION, KUBECTL, helm, render
 from testkit.cluster import ensure_namespace, now_rfc3339
-from testkit.controlplane import ControlPlane, k8s_version
+from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
-from tests.test_observability import tool
 
 ROOT = Path(__file__).resolve().parents[1]
-CHART = ROOT / "charts" / "gpu-ready"
-KUBE_VERSION = k8s_version()
-KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or "kubectl"
 
 VALUE_SETS = {
     "defaults": [],
@@ -85,20 +82,6 @@ VALUE_SETS = {
         'preflight.profile={"gpuCount":8,"gpuModel":"H100"}',
     ],
 }
-
-
-def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run([tool("helm"), *args], capture_output=True, text=True, timeout=120)
-    if check:
-        assert r.returncode == 0, r.stdout + r.stderr
-    return r
-
-
-def render(values: list[str], namespace: str = "gpu-ready", release: str = "gpu-ready") -> list[dict]:
-    out = helm(
-        "template", release, str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION, *values
-    ).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
@@ -300,7 +283,7 @@ def test_chart_rbac_and_own_node_admission_policy(control_plane, admin, make_nod
             }
         },
     )
-    from agent.kube import KubeApi
+    from agent.kube.client import KubeApi
 
     agent = KubeApi.from_token(control_plane.host, tr["status"]["token"], control_plane.ca_file)
     review = admin.request(

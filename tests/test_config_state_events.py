@@ -336,7 +336,7 @@ def test_event_aggregation_patches_only_series():
 
 
 def test_a_refused_event_is_dropped_not_retried():
-    from agent.kube import ApiError
+    from agent.kube.client import ApiError
 
     class Refusing(RecordingApi):
         def create_event(self, ns, body):

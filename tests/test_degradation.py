@@ -1,4 +1,4 @@
-"""Silent degradation signals (issue 18) on the simulated host: PCIe link training, device nodes, clock
+"""Silent degradation signals on the simulated host: PCIe link training, device nodes, clock
 events, Xid rate, the dcgm-exporter cross-check, the GPUDegraded reason, and `make gpu-smoke` without GPUs.
 Each signal: healthy, degraded, cannot-check."""
 
@@ -14,23 +14,23 @@ from pathlib import Path
 
 import pytest
 
+from agent.kernel_log.rate import XidRateThresholds, XidRateTracker
+from agent.kernel_log.xid import KernelLogParser
 from agent.model import Check, Finding, GpuIdentity, Observation, PciAddress, Reason, Severity, Status
 from agent.probes.clocks import ClockEventTracker, ClockSample, ClockThresholds, nvml_clock_sample
 from agent.probes.dcgm import (
     DcgmThresholds,
+    dcgm_findings,
     findings_from_metrics,
     parse_labels,
     parse_metrics,
-    probe_dcgm,
 )
-from agent.probes.device_nodes import DeviceNodeThresholds, probe_device_nodes, read_minor_numbers
-from agent.probes.pcie import GpuLoad, PcieThresholds, nvml_pcie_load, probe_pcie
-from agent.probes.xid_rate import XidRateThresholds, XidRateTracker
+from agent.probes.device_nodes import DeviceNodeThresholds, device_node_findings, read_minor_numbers
+from agent.probes.pcie import GpuLoad, PcieThresholds, nvml_pcie_load, pcie_findings
 from agent.verdict import decide
-from agent.xid import KernelLogParser
+from testkit.fakes import fake_nvml
+from testkit.fixture_files import fixture_path
 from testkit.simhost import DcgmExporterStandIn, SimHost
-from tests.conftest import fixture_path
-from tests.fakes import fake_nvml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,9 +56,9 @@ def bridged(tmp_path: Path) -> SimHost:
 
 
 def test_pcie_healthy_idle_and_busy(bridged: SimHost):
-    assert probe_pcie(str(bridged.sysfs), addrs(bridged)) == []
+    assert pcie_findings(str(bridged.sysfs), addrs(bridged)) == []
     busy = {a: GpuLoad(utilization_pct=100, current_gen=5, max_gen=5) for a in addrs(bridged)}
-    assert probe_pcie(str(bridged.sysfs), addrs(bridged), load=busy) == []
+    assert pcie_findings(str(bridged.sysfs), addrs(bridged), load=busy) == []
 
 
 def test_pcie_link_cache_reads_maxima_once_and_current_fields_every_cycle(bridged: SimHost, monkeypatch):
@@ -71,12 +71,12 @@ def test_pcie_link_cache_reads_maxima_once_and_current_fields_every_cycle(bridge
     scanner, cache = PciScanner(str(bridged.sysfs)), pcie.LinkCache()
     scanner.scan()
     cache.refresh(scanner.key)
-    assert probe_pcie(str(bridged.sysfs), addrs(bridged), cache=cache) == []
+    assert pcie_findings(str(bridged.sysfs), addrs(bridged), cache=cache) == []
     assert reads.count("max_link_width") == reads.count("current_link_width") > 0
     reads.clear()
     gpu = bridged.gpus[2].address
     bridged.set_link(gpu, current_width=8)  # retrained narrower: seen on the next cycle
-    f = probe_pcie(str(bridged.sysfs), addrs(bridged), cache=cache)
+    f = pcie_findings(str(bridged.sysfs), addrs(bridged), cache=cache)
     assert [(x.gpu, x.kind) for x in f] == [(gpu, "pcie_width")]
     assert "max_link_width" not in reads and "max_link_speed" not in reads and "current_link_speed" in reads
     # A changed PCI scan (here: a GPU bound to vfio-pci) drops the cache: the maxima are read again.
@@ -85,19 +85,19 @@ def test_pcie_link_cache_reads_maxima_once_and_current_fields_every_cycle(bridge
     scanner.scan()
     cache.refresh(scanner.key)
     reads.clear()
-    assert probe_pcie(str(bridged.sysfs), addrs(bridged)[1:], cache=cache) == []  # x8 of x8: not degraded
+    assert pcie_findings(str(bridged.sysfs), addrs(bridged)[1:], cache=cache) == []  # x8 of x8: not degraded
     assert "max_link_width" in reads
 
 
 def test_pcie_width_downtrained_on_gpu_names_the_link(bridged: SimHost):
     gpu = bridged.gpus[2].address
     bridged.set_link(gpu, current_width=8)
-    f = probe_pcie(str(bridged.sysfs), addrs(bridged))
+    f = pcie_findings(str(bridged.sysfs), addrs(bridged))
     assert [(x.gpu, x.kind, x.reason) for x in f] == [(gpu, "pcie_width", Reason.GPU_DEGRADED)]
     assert f[0].message == "PCIe GPU link trained to x8, capable of x16"
     # the bridge above sees the same link from its end: reported once, not twice
     bridged.set_link(bridged.upstream_bridge(2), current_width=8)
-    assert len(probe_pcie(str(bridged.sysfs), addrs(bridged))) == 1
+    assert len(pcie_findings(str(bridged.sysfs), addrs(bridged))) == 1
 
 
 def test_pcie_width_downtrained_on_upstream_bridge(tmp_path: Path):
@@ -105,31 +105,31 @@ def test_pcie_width_downtrained_on_upstream_bridge(tmp_path: Path):
     # the bridge above GPU 1 reports its link narrower than both of its ends can do
     bridge = host.upstream_bridge(1)
     host.set_link(bridge, current_width=4, max_width=16)
-    f = probe_pcie(str(host.sysfs), addrs(host))
+    f = pcie_findings(str(host.sysfs), addrs(host))
     assert len(f) == 1 and f[0].gpu == host.gpus[1].address
     assert f[0].message == f"PCIe upstream bridge {host.sysfs_name(bridge)} trained to x4, capable of x16"
-    assert probe_pcie(str(host.sysfs), addrs(host), PcieThresholds(check_bridges=False)) == []
+    assert pcie_findings(str(host.sysfs), addrs(host), PcieThresholds(check_bridges=False)) == []
 
 
 def test_pcie_narrower_partner_is_no_alarm(bridged: SimHost):
     # an x16-capable GPU under an x8 port runs at x8 by design of the slot, not by downtraining
     bridged.set_link(bridged.upstream_bridge(0), current_width=8, max_width=8)
     bridged.set_link(bridged.gpus[0].address, current_width=8, max_width=16)
-    assert probe_pcie(str(bridged.sysfs), addrs(bridged)) == []
+    assert pcie_findings(str(bridged.sysfs), addrs(bridged)) == []
 
 
 def test_pcie_speed_is_judged_only_under_load(bridged: SimHost):
     gpu = bridged.gpus[1].address
     bridged.set_link(gpu, current_gts=2.5)  # idle GPUs drop to Gen1 (ASPM): no alarm at idle
     bridged.set_link(bridged.upstream_bridge(1), current_gts=2.5)
-    assert probe_pcie(str(bridged.sysfs), addrs(bridged)) == []
+    assert pcie_findings(str(bridged.sysfs), addrs(bridged)) == []
     idle = {gpu: GpuLoad(utilization_pct=3)}
-    assert probe_pcie(str(bridged.sysfs), addrs(bridged), load=idle) == []
+    assert pcie_findings(str(bridged.sysfs), addrs(bridged), load=idle) == []
     busy = {gpu: GpuLoad(utilization_pct=97)}
-    f = probe_pcie(str(bridged.sysfs), addrs(bridged), load=busy)
+    f = pcie_findings(str(bridged.sysfs), addrs(bridged), load=busy)
     assert [(x.gpu, x.kind) for x in f] == [(gpu, "pcie_speed")]
     assert f[0].message == "PCIe GPU link at Gen1 (2.5 GT/s) under load (97% busy), capable of Gen5 (32 GT/s)"
-    assert probe_pcie(str(bridged.sysfs), addrs(bridged), PcieThresholds(check_speed=False), load=busy) == []
+    assert pcie_findings(str(bridged.sysfs), addrs(bridged), PcieThresholds(check_speed=False), load=busy) == []
 
 
 def test_pcie_nvml_generation_under_load(bridged: SimHost):
@@ -137,29 +137,29 @@ def test_pcie_nvml_generation_under_load(bridged: SimHost):
     nv = fake_nvml([{"busId": gpu.nvml, "util": 88, "pcie_gen": 5, "pcie_gen_cur": 3}])
     load = nvml_pcie_load(nv, 0)
     assert load == GpuLoad(utilization_pct=88, current_gen=3, max_gen=5, current_width=16, max_width=16)
-    f = probe_pcie(str(bridged.sysfs), [gpu], load={gpu: load})
+    f = pcie_findings(str(bridged.sysfs), [gpu], load={gpu: load})
     assert [x.kind for x in f] == ["pcie_gen"] and "Gen3 under load (88% busy), capable of Gen5" in f[0].message
     idle = nvml_pcie_load(fake_nvml([{"busId": gpu.nvml, "util": 0, "pcie_gen_cur": 1}]), 0)
-    assert probe_pcie(str(bridged.sysfs), [gpu], load={gpu: idle}) == []
+    assert pcie_findings(str(bridged.sysfs), [gpu], load={gpu: idle}) == []
     # utilisation not supported: speed is not judged at all
     unknown = nvml_pcie_load(fake_nvml([{"busId": gpu.nvml, "pcie_gen_cur": 1}]), 0)
-    assert unknown.utilization_pct is None and probe_pcie(str(bridged.sysfs), [gpu], load={gpu: unknown}) == []
+    assert unknown.utilization_pct is None and pcie_findings(str(bridged.sysfs), [gpu], load={gpu: unknown}) == []
 
 
 def test_pcie_cannot_check(bridged: SimHost, tmp_path: Path):
     gpu = bridged.gpus[3].address
     (bridged.devices / bridged.sysfs_name(gpu) / "current_link_width").write_text("garbage\n")
-    f = probe_pcie(str(bridged.sysfs), addrs(bridged))
+    f = pcie_findings(str(bridged.sysfs), addrs(bridged))
     assert [(x.severity, x.gpu, x.kind) for x in f] == [(Severity.UNCHECKED, gpu, "unreadable")]
     assert "current_link_width: cannot parse 'garbage'" in f[0].message
-    missing = probe_pcie(str(tmp_path / "nosys"), addrs(bridged))
+    missing = pcie_findings(str(tmp_path / "nosys"), addrs(bridged))
     assert [x.severity for x in missing] == [Severity.UNCHECKED]
 
 
 def test_pcie_fields_not_exposed_is_informational(simhost: SimHost):
     gpu = simhost.gpus[0].address
     simhost.set_link(gpu, None, None, None, None)
-    f = probe_pcie(str(simhost.sysfs), [gpu])
+    f = pcie_findings(str(simhost.sysfs), [gpu])
     assert [(x.severity, x.kind) for x in f] == [(Severity.INFO, "not_exposed")]
 
 
@@ -168,10 +168,10 @@ def test_pcie_real_kernel_speed_formats(simhost: SimHost):
     d = simhost.devices / simhost.sysfs_name(gpu)
     (d / "current_link_speed").write_text("8 GT/s\n")  # pre-5.x kernels print no decimals and no "PCIe"
     (d / "max_link_speed").write_text("16.0 GT/s PCIe\n")
-    f = probe_pcie(str(simhost.sysfs), [gpu], load={gpu: GpuLoad(utilization_pct=60)})
+    f = pcie_findings(str(simhost.sysfs), [gpu], load={gpu: GpuLoad(utilization_pct=60)})
     assert [x.kind for x in f] == ["pcie_speed"] and "Gen3 (8 GT/s)" in f[0].message
     (d / "current_link_speed").write_text("Unknown\n")  # unknown speed: width still judged, speed not
-    assert probe_pcie(str(simhost.sysfs), [gpu], load={gpu: GpuLoad(utilization_pct=60)}) == []
+    assert pcie_findings(str(simhost.sysfs), [gpu], load={gpu: GpuLoad(utilization_pct=60)}) == []
 
 
 # -- device nodes -------------------------------------------------------------------------------------
@@ -185,30 +185,30 @@ def test_device_nodes_healthy(simhost: SimHost):
     simhost.make_dev_nodes(mig=True)
     t = DeviceNodeThresholds(dev_root=str(simhost.dev))
     assert _minors(simhost) == {g.address: g.minor for g in simhost.gpus}
-    assert probe_device_nodes(t, minors=_minors(simhost), mig_enabled=True) == []
-    assert probe_device_nodes(t, gpu_count=8) == []
+    assert device_node_findings(t, minors=_minors(simhost), mig_enabled=True) == []
+    assert device_node_findings(t, gpu_count=8) == []
 
 
 def test_device_nodes_missing_uvm_and_gpu_node(simhost: SimHost):
     simhost.make_dev_nodes(skip=("nvidia-uvm", "nvidia3"))
     t = DeviceNodeThresholds(dev_root=str(simhost.dev))
-    f = probe_device_nodes(t, minors=_minors(simhost))
+    f = device_node_findings(t, minors=_minors(simhost))
     assert [(x.reason, x.gpu, x.kind) for x in f] == [
         (Reason.GPU_DEGRADED, None, "missing"),
         (Reason.GPU_DEGRADED, simhost.gpus[3].address, "missing"),
     ]
     assert f[0].message == f"device node {simhost.dev}/nvidia-uvm is missing (CUDA programs fail without it)"
     assert f[1].message == f"device node {simhost.dev}/nvidia3 is missing"
-    counted = probe_device_nodes(t, gpu_count=8)
+    counted = device_node_findings(t, gpu_count=8)
     assert any("7 GPU device nodes" in x.message and "0, 1, 2, 4, 5, 6, 7" in x.message for x in counted)
-    assert probe_device_nodes(DeviceNodeThresholds(dev_root=str(simhost.dev), require_uvm=False)) == []
+    assert device_node_findings(DeviceNodeThresholds(dev_root=str(simhost.dev), require_uvm=False)) == []
 
 
 def test_device_nodes_not_a_character_device_and_mig_caps(simhost: SimHost):
     simhost.make_dev_nodes()
     simhost.replace_dev_node_with_file("nvidiactl")
     t = DeviceNodeThresholds(dev_root=str(simhost.dev))
-    f = probe_device_nodes(t, minors=_minors(simhost), mig_enabled=True)
+    f = device_node_findings(t, minors=_minors(simhost), mig_enabled=True)
     assert [x.kind for x in f] == ["not_char", "missing"]
     assert "nvidiactl is not a character device" in f[0].message
     assert (
@@ -218,7 +218,7 @@ def test_device_nodes_not_a_character_device_and_mig_caps(simhost: SimHost):
 
 
 def test_device_nodes_cannot_check(tmp_path: Path):
-    f = probe_device_nodes(DeviceNodeThresholds(dev_root=str(tmp_path / "nodev")), gpu_count=1)
+    f = device_node_findings(DeviceNodeThresholds(dev_root=str(tmp_path / "nodev")), gpu_count=1)
     assert [(x.severity, x.check) for x in f] == [(Severity.UNCHECKED, Check.DEVICE_NODES)]
 
 
@@ -389,9 +389,9 @@ def test_dcgm_parser_on_real_capture():
 
 def test_dcgm_healthy_served_by_the_stand_in():
     with DcgmExporterStandIn(L4_TEXT) as ex:
-        assert probe_dcgm(DcgmThresholds(address=ex.address, node_name="i-030791dc5a37cd257")) == []
+        assert dcgm_findings(DcgmThresholds(address=ex.address, node_name="i-030791dc5a37cd257")) == []
         assert ex.requests == 1
-    assert probe_dcgm(DcgmThresholds()) == []  # off unless an address is set
+    assert dcgm_findings(DcgmThresholds()) == []  # off unless an address is set
 
 
 def test_dcgm_degraded_both_hostname_spellings():
@@ -409,7 +409,7 @@ def test_dcgm_degraded_both_hostname_spellings():
     )
     for spelling in (text, text.replace("Hostname=", "hostname=")):  # before and after dcgm-exporter#655
         with DcgmExporterStandIn(spelling) as ex:
-            f = probe_dcgm(DcgmThresholds(address=ex.address, node_name="i-030791dc5a37cd257"))
+            f = dcgm_findings(DcgmThresholds(address=ex.address, node_name="i-030791dc5a37cd257"))
         got = sorted((x.severity.value, x.kind) for x in f)
         assert got == [
             ("fault", "dcgm_ecc_dbe"),
@@ -454,15 +454,15 @@ def test_dcgm_unreachable_informational_unless_required():
     with DcgmExporterStandIn("") as ex:
         addr = ex.address
         ex.status = 503
-        f = probe_dcgm(DcgmThresholds(address=addr))
+        f = dcgm_findings(DcgmThresholds(address=addr))
         assert [(x.severity, x.kind) for x in f] == [(Severity.INFO, "unavailable")] and "HTTP 503" in f[0].message
-        f = probe_dcgm(DcgmThresholds(address=addr, required=True))
+        f = dcgm_findings(DcgmThresholds(address=addr, required=True))
         assert [x.severity for x in f] == [Severity.UNCHECKED]
         ex.status = 200
         ex.text = "x" * 2000
-        f = probe_dcgm(DcgmThresholds(address=addr, required=True, max_bytes=1000))
+        f = dcgm_findings(DcgmThresholds(address=addr, required=True, max_bytes=1000))
         assert "larger than 1000 bytes" in f[0].message
-    f = probe_dcgm(DcgmThresholds(address=addr, required=True, timeout_s=2))  # closed: connection refused
+    f = dcgm_findings(DcgmThresholds(address=addr, required=True, timeout_s=2))  # closed: connection refused
     assert [x.severity for x in f] == [Severity.UNCHECKED]
 
 
@@ -481,7 +481,7 @@ def test_dcgm_parser_is_linear_on_hostile_input():
 def test_gpu_degraded_ranks_below_hard_faults_and_names_each_degradation(bridged: SimHost):
     bridged.set_link(bridged.gpus[1].address, current_width=8)
     obs = Observation(gpus={g.address: GpuIdentity(g.address, i, g.name) for i, g in enumerate(bridged.gpus)})
-    obs.findings += probe_pcie(str(bridged.sysfs), addrs(bridged))
+    obs.findings += pcie_findings(str(bridged.sysfs), addrs(bridged))
     tr = XidRateTracker()
     tr.observe(_xids(bridged, 13, gpu=1, n=3), 0.0)
     obs.findings += tr.findings(0.0)
@@ -643,7 +643,7 @@ def test_suite_pcie_speed_only_under_load_and_width_always(bridged: SimHost):
     )
     off = CheckSuite(_suite_cfg(bridged, pcie_speed=False), NvmlProbe("on", nvml=fake_nvml(states)))
     assert _run(off)[2].status is Status.TRUE
-    assert off.nvml.read_load is False  # nothing read that nothing judges
+    assert off.probe(Check.NVML).read_load is False  # nothing read that nothing judges
     bridged.set_link(bridged.upstream_bridge(2), current_width=4)  # width: at any load, naming the bridge
     v = _run(off)[2]
     assert v.reason is Reason.GPU_DEGRADED and "upstream bridge 0000:00:03.0 trained to x4" in v.gpus[2].problems[0]
@@ -654,16 +654,19 @@ def test_suite_pcie_speed_only_under_load_and_width_always(bridged: SimHost):
 
 def test_suite_reads_device_minors_again_only_when_the_pci_scan_changes(simhost: SimHost, monkeypatch):
     import agent.checks as checks
+    import agent.probes.device_nodes as device_nodes
     from agent.probes.nvml import NvmlProbe
 
     calls: list[int] = []
-    monkeypatch.setattr(checks, "read_minor_numbers", lambda root, gpus: calls.append(len(gpus)) or {})
+    monkeypatch.setattr(device_nodes, "read_minor_numbers", lambda root, gpus: calls.append(len(gpus)) or {})
     suite = checks.CheckSuite(_suite_cfg(simhost), NvmlProbe("on", nvml=fake_nvml(_nv_states(simhost))))
     _run(suite)
     _run(suite)
     assert calls == [8, 8]  # the driver's file gave no minor (still loading): read again next cycle
     real = read_minor_numbers
-    monkeypatch.setattr(checks, "read_minor_numbers", lambda root, gpus: calls.append(len(gpus)) or real(root, gpus))
+    monkeypatch.setattr(
+        device_nodes, "read_minor_numbers", lambda root, gpus: calls.append(len(gpus)) or real(root, gpus)
+    )
     calls.clear()
     for _ in range(3):
         assert _run(suite)[2].status is Status.TRUE
@@ -747,12 +750,12 @@ def test_device_nodes_partial_minors_counts_only_the_rest(simhost: SimHost):
     simhost.make_dev_nodes(skip=("nvidia6",))
     minors = {g.address: g.minor for g in simhost.gpus[:4]}  # only GPUs 0-3 have a known minor
     t = DeviceNodeThresholds(dev_root=str(simhost.dev))
-    f = probe_device_nodes(t, minors=minors, gpu_count=8)
+    f = device_node_findings(t, minors=minors, gpu_count=8)
     assert [x.message for x in f] == [
         f"3 GPU device nodes {simhost.dev}/nvidia<N> for 4 GPUs more (minor numbers known for 4) (present: 4, 5, 7)"
     ]
     simhost.make_dev_nodes()
-    assert probe_device_nodes(t, minors=minors, gpu_count=8) == []
+    assert device_node_findings(t, minors=minors, gpu_count=8) == []
 
 
 def test_suite_dcgm_maps_by_nvml_uuid_and_required_unreachable(simhost: SimHost):
@@ -802,11 +805,12 @@ def test_every_signal_can_be_switched_off(bridged: SimHost, tmp_path: Path):
         _obs, stats, v = _run(suite)
     assert v.status is Status.TRUE, v.message
     assert not {"pcie", "device_nodes", "clocks", "xid_rate", "dcgm"} & {str(c) for c in stats.durations}
-    assert (suite.nvml.read_load, suite.nvml.read_clocks, suite.nvml.read_uuids) == (False, False, False)
+    nv = suite.probe(Check.NVML)
+    assert (nv.read_load, nv.read_clocks, nv.read_uuids) == (False, False, False)
 
 
 def test_place_events_device_and_file_stamps():
-    from agent.kmsg_watch import place_events
+    from agent.kernel_log.watcher import place_events
     from agent.model import XidEvent
 
     def ev(usec):
@@ -823,7 +827,8 @@ def test_place_events_device_and_file_stamps():
 
 
 def test_ingest_feeds_the_rate_at_kernel_log_time_and_history_is_not_new(tmp_path: Path):
-    from agent.kmsg_watch import KernelLogIngest, KmsgSource, format_record
+    from agent.kernel_log.source import KmsgSource, format_record
+    from agent.kernel_log.watcher import KernelLogIngest
     from agent.report.metrics import Metrics
     from agent.state import LatchState
 
@@ -881,9 +886,9 @@ def test_nvml_reads_degradation_inputs_only_when_asked_and_under_its_deadline(si
     states = _nv_states(simhost, util=77, throttle=0x80, margin=12.0)
     nv = fake_nvml(states)
     nv.nvmlDeviceGetUUID = lambda h: f"GPU-{h}".encode()
-    _f, snap = NvmlProbe("on", nvml=nv).probe()
+    _f, snap = NvmlProbe("on", nvml=nv).sample()
     assert snap is not None and all(g.load is None and g.clock is None and g.uuid is None for g in snap.gpus)
-    _f, snap = NvmlProbe("on", nvml=nv, pcie_load=True, clock_events=True, uuids=True).probe()
+    _f, snap = NvmlProbe("on", nvml=nv, pcie_load=True, clock_events=True, uuids=True).sample()
     g = snap.gpus[2]
     assert (g.load.utilization_pct, g.load.current_gen, g.load.max_gen) == (77, 5, 5)
     assert (g.clock.mask, g.clock.margin_c, g.uuid) == (0x80, 12.0, "GPU-2")
@@ -894,7 +899,7 @@ def test_nvml_reads_degradation_inputs_only_when_asked_and_under_its_deadline(si
         NvmlProbe("on", 0.3, nvml=fake_nvml(states, hang="nvmlDeviceGetCurrentClocksEventReasons")),
         clock=lambda: now[0],
     )
-    suite.clocks.observe(simhost.gpus[0].address, ClockSample(0x8), -1.0)
+    suite.probe(Check.CLOCKS).tracker.observe(simhost.gpus[0].address, ClockSample(0x8), -1.0)
     _obs, _stats, v = _run(suite)
     assert v.reason is Reason.NVML_HEALTH and "NVML hung" in v.message
-    assert len(suite.clocks._gpus[simhost.gpus[0].address].samples) == 1
+    assert len(suite.probe(Check.CLOCKS).tracker._gpus[simhost.gpus[0].address].samples) == 1

@@ -1,4 +1,4 @@
-"""The degradation signals (issue 18) end to end: the real agent (`gpu-ready run`) and `gpu-ready check` on the
+"""The degradation signals end to end: the real agent (`gpu-ready run`) and `gpu-ready check` on the
 simulated host, the Node on the real apiserver. A downtrained PCIe link, a missing /dev/nvidia-uvm, repeated
 non-fatal Xids in the kernel log, the dcgm-exporter stand-in; each degrades the node (GPUDegraded), recovers
 through the hysteresis, and a check that cannot run is never True."""

@@ -1,33 +1,50 @@
-"""Fence one GPU, keep seven serving (issue 16): DRA-aware GPU counting (agent/probes/dra.py) and per-GPU
-DeviceTaintRules (agent/report/fencing.py).
+"""Fence one GPU, keep seven serving: DRA-aware GPU counting (agent/probes/dra.py) and per-GPU DeviceTaintRules
+(agent/act/fencing.py).
 
 Plain-data tests first (parsing, counting, the device-plugin check deferring to DRA, the fencing view and plan),
 then tests on a real kube-apiserver 1.37 with the REAL kube-scheduler (allocating ResourceClaims) and the REAL
 kube-controller-manager (device-taint-eviction-controller), with the chart's own RBAC and admission policy and
 tokens bound to a Pod on the node. No kubelet and no DRA driver run: the ResourceSlices are published by the test
-exactly as the NVIDIA DRA driver publishes them (kubernetes-sigs/dra-driver-nvidia-gpu:
+(testkit/dra.py) exactly as the NVIDIA DRA driver publishes them (kubernetes-sigs/dra-driver-nvidia-gpu:
 cmd/gpu-kubelet-plugin/deviceinfo.go@0545e9e55d69ba07ccc288283e144efbc9d292fa, GpuInfo.GetDevice and
 MigDeviceInfo.GetDevice; mig.go CommonAttributesMig; one pool per node named after the node)."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import secrets
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from agent import config
-from agent.kube import ApiError, KubeApi
+from agent.act.fencing import (
+    GPU_ANNOTATION,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    NODE_LABEL,
+    TAINT_KEY,
+    ExistingRule,
+    FenceEffect,
+    FenceMetrics,
+    FenceReporter,
+    FenceWorker,
+    FencingSettings,
+    fence_view,
+    node_label,
+    parse_rules,
+    plan_fencing,
+    rule_name,
+    valid_name,
+)
+from agent.kernel_log.xid import KernelLogParser
+from agent.kube.client import ApiError, KubeApi
 from agent.model import (
     Check,
     Counts,
@@ -51,121 +68,30 @@ from agent.probes.dra import (
     probe_gpu_serving,
     read_node_slices,
 )
-from agent.report.fencing import (
-    GPU_ANNOTATION,
-    MANAGED_BY,
-    MANAGED_BY_LABEL,
-    NODE_LABEL,
-    TAINT_KEY,
-    ExistingRule,
-    FenceEffect,
-    FenceMetrics,
-    FenceReporter,
-    FenceWorker,
-    FencingSettings,
-    fence_view,
-    node_label,
-    parse_rules,
-    plan_fencing,
-    rule_name,
-    valid_name,
-)
 from agent.verdict import MESSAGE_LIMIT, decide, with_note
-from agent.xid import KernelLogParser
-from testkit.cluster import bound_token, ensure_namespace, now_rfc3339
+from testkit.chart import apply_release
+from testkit.cluster import bound_token, ensure_namespace
 from testkit.controlplane import ControlPlane
-from testkit.harness import wait_for
-from tests.conftest import require_testbin
-from tests.test_security import Release, apply_release
+from testkit.dra import (
+    BUSES,
+    DRIVER,
+    DraPlane,
+    allocated_device,
+    claim_and_pod,
+    device_class,
+    get_pod,
+    gpu_device,
+    gpu_node,
+    kube_minor,
+    nvidia_slice,
+    unschedulable,
+    uuid,
+)
+from testkit.testbin import IN_CI, require_testbin
 
-IN_CI = os.environ.get("CI") == "true"
-DRIVER = "gpu.nvidia.com"
-BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)  # an HGX H100's eight GPUs
 ADDRS = tuple(PciAddress(0, b, 0) for b in BUSES)
 GPU3 = ADDRS[3]
 MEASURED: dict[str, float] = {}
-JSON_PATCH = "application/json-patch+json"
-
-
-def uuid(i: int) -> str:
-    return f"GPU-{i:08x}-5c4e-7d2b-9f11-0a6c3e{i:06x}"
-
-
-def gpu_device(i: int, taints: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    """A full GPU as GpuInfo.GetDevice publishes it (device `gpu-<minor>`; attributes in the driver's domain
-    plus the standard resource.kubernetes.io/pciBusID)."""
-    d: dict[str, Any] = {
-        "name": f"gpu-{i}",
-        "attributes": {
-            "type": {"string": "gpu"},
-            "uuid": {"string": uuid(i)},
-            "productName": {"string": "NVIDIA H100 80GB HBM3"},
-            "brand": {"string": "Nvidia"},
-            "architecture": {"string": "Hopper"},
-            "cudaComputeCapability": {"version": "9.0.0"},
-            "driverVersion": {"version": "580.95.5"},
-            "cudaDriverVersion": {"version": "13.0.0"},
-            "resource.kubernetes.io/pciBusID": {"string": f"0000:{BUSES[i]:02x}:00.0"},
-            "resource.kubernetes.io/pcieRoot": {"string": f"pci0000:{BUSES[i] & 0xF0:02x}"},
-        },
-        "capacity": {"memory": {"value": "80Gi"}},
-    }
-    if taints:
-        d["taints"] = taints
-    return d
-
-
-def mig_device(parent: int, n: int) -> dict[str, Any]:
-    """A MIG device as MigDeviceInfo.GetDevice publishes it: `gpu-<parentMinor>-mig-<profile>-<giProfileId>-
-    <placementStart>`, its own uuid, the parent's uuid as parentUUID and the parent's pciBusID."""
-    return {
-        "name": f"gpu-{parent}-mig-3g40gb-9-{4 * n}",
-        "attributes": {
-            "type": {"string": "mig"},
-            "uuid": {"string": f"MIG-{parent:04x}{n:04x}-1b2c-5d6e-8f90-a1b2c3d4e5f6"},
-            "parentUUID": {"string": uuid(parent)},
-            "profile": {"string": "3g.40gb"},
-            "productName": {"string": "NVIDIA H100 80GB HBM3"},
-            "brand": {"string": "Nvidia"},
-            "architecture": {"string": "Hopper"},
-            "cudaComputeCapability": {"version": "9.0.0"},
-            "driverVersion": {"version": "580.95.5"},
-            "cudaDriverVersion": {"version": "13.0.0"},
-            "resource.kubernetes.io/pciBusID": {"string": f"0000:{BUSES[parent]:02x}:00.0"},
-        },
-        "capacity": {"memory": {"value": "40Gi"}, "multiprocessors": {"value": "60"}},
-    }
-
-
-def nvidia_slice(
-    node: str,
-    gpus: range | list[int] = range(8),
-    mig: dict[int, int] | None = None,
-    full_with_mig: bool = False,
-    taints: dict[int, list[dict[str, str]]] | None = None,
-    generation: int = 1,
-    count: int = 1,
-    driver: str = DRIVER,
-) -> dict[str, Any]:
-    """The node's ResourceSlice. `mig`: GPU minor -> MIG devices on it; as with static MIG the MIG-enabled GPU
-    itself is not published unless `full_with_mig` (dynamic MIG publishes both)."""
-    mig = mig or {}
-    devices = []
-    for i in gpus:
-        if i not in mig or full_with_mig:
-            devices.append(gpu_device(i, (taints or {}).get(i)))
-        devices += [mig_device(i, n) for n in range(mig.get(i, 0))]
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {"name": f"{node}-{driver}-{secrets.token_hex(3)}"},
-        "spec": {
-            "driver": driver,
-            "nodeName": node,
-            "pool": {"name": node, "generation": generation, "resourceSliceCount": count},
-            "devices": devices,
-        },
-    }
 
 
 def observation(n: int = 8, findings: list[Finding] | None = None) -> Observation:
@@ -456,7 +382,7 @@ def test_a_faulty_gpu_in_no_slice_is_node_level_only_and_the_cap_holds():
 
 
 def test_metrics_and_summary_follow_the_result():
-    from agent.report.fencing import FencedDevice, FenceResult
+    from agent.act.fencing import FencedDevice, FenceResult
 
     reg = CollectorRegistry()
     m = FenceMetrics(reg)
@@ -551,52 +477,6 @@ BINARIES = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager
 CONTROLLERS = ("device-taint-eviction-controller",)
 
 
-def device_class(name: str, device_type: str) -> dict[str, Any]:
-    """The NVIDIA driver's DeviceClasses (gpu.nvidia.com, mig.nvidia.com): its devices of one `type`."""
-    expr = f"device.driver == '{DRIVER}' && device.attributes['{DRIVER}'].type == '{device_type}'"
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "DeviceClass",
-        "metadata": {"name": name},
-        "spec": {"selectors": [{"cel": {"expression": expr}}]},
-    }
-
-
-@dataclass
-class DraPlane:
-    control_plane: ControlPlane  # the name tests/conftest.py looks for to append the apiserver log on failure
-    admin: KubeApi
-    namespace: str
-    version: str = "v1"  # resource.k8s.io version of DeviceTaintRule: v1 (1.37), v1beta2 (1.36 with the gate)
-    releases: dict[str, Release] = field(default_factory=dict)
-    clients: list[KubeApi] = field(default_factory=list)
-
-    @property
-    def rules(self) -> str:
-        return f"/apis/resource.k8s.io/{self.version}/devicetaintrules"
-
-    def logs(self) -> str:
-        cp = self.control_plane
-        return "".join(
-            f"\n--- {c} log (tail) ---\n{cp.log_tail(40, component=c)}"
-            for c in ("kube-scheduler", "kube-controller-manager")
-        )
-
-    def wait(self, pred: Callable[[], Any], what: str, timeout: float = 90.0) -> Any:
-        try:
-            return wait_for(pred, timeout, 0.05, what=what)
-        except AssertionError as e:
-            raise AssertionError(f"{e}{self.logs()}") from None
-
-    def agent(self, release: str, node: str | None) -> KubeApi:
-        """A client with the release's agent token, bound to a new Pod on `node` (None: not bound)."""
-        rel = self.releases[release]
-        tok, _ = bound_token(self.admin, rel.ns, rel.sa, node)
-        c = KubeApi.from_token(self.control_plane.host, tok, self.control_plane.ca_file)
-        self.clients.append(c)
-        return c
-
-
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DraPlane]:
     bd = require_testbin(*BINARIES)
@@ -652,83 +532,6 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DraPlane]:
         cp.stop()
         if MEASURED:
             print("\n[fencing] measured: " + ", ".join(f"{k} {v:.2f}" for k, v in MEASURED.items()))
-
-
-def kube_minor(bin_dir: Path) -> int:
-    out = subprocess.run([str(bin_dir / "kube-apiserver"), "--version"], capture_output=True, text=True, timeout=60)
-    m = re.search(r"v1\.(\d+)\.", out.stdout)
-    return int(m.group(1)) if m else 0
-
-
-def gpu_node(p: DraPlane, slice_: Callable[[str], dict[str, Any]] | None = None) -> str:
-    """A Node as a kubelet registers it, Ready, with no device-plugin GPUs (a DRA node), and its ResourceSlice."""
-    name = f"dra-{secrets.token_hex(4)}"
-    api = p.admin
-    api.request(
-        "POST",
-        "/api/v1/nodes",
-        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}}},
-    )
-    res = {"cpu": "64", "memory": "512Gi", "pods": "110"}
-    t = now_rfc3339()
-    ready = {
-        "type": "Ready",
-        "status": "True",
-        "reason": "KubeletReady",
-        "lastHeartbeatTime": t,
-        "lastTransitionTime": t,
-    }
-    api.patch_node_status(name, {"status": {"capacity": res, "allocatable": res, "conditions": [ready]}})
-    # TaintNodesByCondition adds node.kubernetes.io/not-ready at creation; the node lifecycle controller (not run:
-    # with no kubelet it would taint every Node unreachable) would remove it once Ready, so the test does.
-    now = api.get_node(name)["spec"].get("taints") or []
-    keep = [t for t in now if t.get("key") != "node.kubernetes.io/not-ready"]
-    ops = [{"op": "test", "path": "/spec/taints", "value": now}, {"op": "add", "path": "/spec/taints", "value": keep}]
-    api.request("PATCH", f"/api/v1/nodes/{name}", ops, JSON_PATCH)
-    body = (slice_ or nvidia_slice)(name)
-    api.request("POST", "/apis/resource.k8s.io/v1/resourceslices", body)
-    return name
-
-
-def claim_and_pod(
-    p: DraPlane, node: str, device_class: str = "gpu.nvidia.com", selector: str | None = None
-) -> tuple[str, str]:
-    """A ResourceClaim for one device of `device_class` and a Pod using it, pinned to `node` by hostname."""
-    name = f"job-{secrets.token_hex(3)}"
-    exactly: dict[str, Any] = {"deviceClassName": device_class, "allocationMode": "ExactCount", "count": 1}
-    if selector:
-        exactly["selectors"] = [{"cel": {"expression": selector}}]
-    p.admin.request(
-        "POST",
-        f"/apis/resource.k8s.io/v1/namespaces/{p.namespace}/resourceclaims",
-        {"metadata": {"name": name}, "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}},
-    )
-    pod = {
-        "metadata": {"name": name},
-        "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": node},
-            "terminationGracePeriodSeconds": 30,
-            "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
-            "containers": [{"name": "c", "image": "cuda:test", "resources": {"claims": [{"name": "gpu"}]}}],
-        },
-    }
-    p.admin.request("POST", f"/api/v1/namespaces/{p.namespace}/pods", pod)
-    return name, name
-
-
-def allocated_device(p: DraPlane, claim: str) -> str | None:
-    c = p.admin.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{p.namespace}/resourceclaims/{claim}")
-    results = (((c.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
-    return str(results[0]["device"]) if results else None
-
-
-def get_pod(p: DraPlane, name: str) -> dict[str, Any]:
-    return p.admin.request("GET", f"/api/v1/namespaces/{p.namespace}/pods/{name}")
-
-
-def unschedulable(p: DraPlane, pod: str) -> bool:
-    cond = [c for c in get_pod(p, pod).get("status", {}).get("conditions", []) if c.get("type") == "PodScheduled"]
-    return bool(cond) and cond[0].get("status") == "False" and cond[0].get("reason") == "Unschedulable"
 
 
 def rule_exists(p: DraPlane, name: str) -> bool:

@@ -1,11 +1,11 @@
-"""Per-GPU fencing end to end (issue 16, phase 2): the REAL agent process (`gpu-ready run`, testkit.harness.AgentProc)
+"""Per-GPU fencing end to end: the REAL agent process (`gpu-ready run`, testkit.harness.AgentProc)
 on a simulated 8-GPU host, configured by the chart's rendered ConfigMap (fencing.enabled, effect NoSchedule) and
 holding a token of the chart's ServiceAccount bound to a Pod on its node (the chart's RBAC, including the DRA rules
 of templates/fencing.yaml, and its admission policies applied to the apiserver), against the REAL kube-scheduler
 allocating ResourceClaims on Kubernetes 1.37.
 
 The node is a DRA node: no `nvidia.com/gpu` capacity, and a ResourceSlice publishing its 8 GPUs exactly as the NVIDIA
-DRA driver does (tests/test_dra.py: nvidia_slice; the simulated host uses the same PCI bus ids). No kubelet and no
+DRA driver does (testkit/dra.py: nvidia_slice; the simulated host uses the same PCI bus ids). No kubelet and no
 DRA driver run. A fatal Xid line appended to the simulated kernel log must make the agent create the DeviceTaintRule
 for that GPU, the scheduler then allocates claims only to the 7 other GPUs, and the `gpu-ready.io/clear-before`
 annotation makes the agent delete the rule again, also when the agent that deletes it is not the one that created
@@ -26,17 +26,14 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.kube import ApiError, KubeApi
-from agent.report.fencing import MANAGED_BY, MANAGED_BY_LABEL, NODE_LABEL, TAINT_KEY
+from agent.act.fencing import MANAGED_BY, MANAGED_BY_LABEL, NODE_LABEL, TAINT_KEY
+from agent.kube.client import ApiError, KubeApi
+from testkit.chart import Release, apply_release
 from testkit.cluster import bound_token, condition, ensure_namespace
 from testkit.controlplane import ControlPlane
-from testkit.harness import AgentProc, first_times, wait_for
-from testkit.simhost import SimHost
-from tests.conftest import require_testbin
-from tests.test_dra import (
+from testkit.dra import (
     BUSES,
     DRIVER,
-    IN_CI,
     DraPlane,
     allocated_device,
     claim_and_pod,
@@ -47,7 +44,10 @@ from tests.test_dra import (
     nvidia_slice,
     unschedulable,
 )
-from tests.test_security import Release, apply_release, denied_by_policy
+from testkit.harness import AgentProc, first_times, wait_for
+from testkit.security import denied_by_policy
+from testkit.simhost import SimHost
+from testkit.testbin import IN_CI, require_testbin
 
 pytestmark = pytest.mark.apiserver
 
@@ -172,7 +172,7 @@ def launch(fplane: Plane, tmp_path: Path) -> Iterator[Callable[..., AgentProc]]:
 
 
 def dra_host(tmp_path: Path) -> SimHost:
-    """The simulated host with the PCI bus ids the ResourceSlice publishes (tests/test_dra.py BUSES)."""
+    """The simulated host with the PCI bus ids the ResourceSlice publishes (testkit/dra.py BUSES)."""
     return SimHost(tmp_path / f"host-{secrets.token_hex(2)}", buses=BUSES)
 
 

@@ -1,6 +1,6 @@
 """Every sample the tests read is in the checkout, and every one has its source written down."""
 
-from tests.conftest import FIXTURES
+from testkit.fixture_files import FIXTURES
 
 
 def test_every_fixture_has_a_source_row():

@@ -1,4 +1,4 @@
-"""Fuzz suite (issue 12): every parser and `gpu-ready check` on arbitrary input. Each property asserts that
+"""Fuzz suite: every parser and `gpu-ready check` on arbitrary input. Each property asserts that
 no exception escapes, that nothing reads healthy when its check could not run, and a time bound per input.
 
 The budget is fixed (max_examples per test, no shrinking database), so the whole file costs well under a
@@ -22,13 +22,13 @@ from hypothesis import strategies as st
 
 from agent import config
 from agent.cli import main as cli_main
-from agent.kmsg_watch import MAX_RECORD, KmsgSource, format_record, parse_record
+from agent.kernel_log.source import MAX_RECORD, KmsgSource, format_record, parse_record
+from agent.kernel_log.xid import KernelLogParser
 from agent.model import PciAddress, Severity
 from agent.probes.device_plugin import plugin_counts, plugin_findings
 from agent.probes.nvidia_smi import parse_smi_table, smi_findings
-from agent.xid import KernelLogParser
+from testkit.fixture_files import FIXTURES
 from testkit.simhost import SimHost
-from tests.conftest import FIXTURES
 
 settings.register_profile(
     "fuzz",

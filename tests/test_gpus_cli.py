@@ -1,7 +1,7 @@
 """`gpu-ready gpus` and `gpu-ready check --json`'s `allocation` section, end to end: the CLI in a subprocess on the
 simulated GPU host, reading a gRPC pod-resources server (grpcio from the dev extras, serving the vendored kubelet
 proto on a unix socket, as kubelet does) whose device IDs are the simulated GPUs' UUIDs. The real kubelet is
-helper B's e2e (tests/test_allocation_kubelet*.py); here the CLI's output and exit codes are pinned."""
+in tests/test_allocation_node.py and tests/test_podresources_kubelet.py; here the CLI's output and exit codes are pinned."""
 
 from __future__ import annotations
 
@@ -13,22 +13,17 @@ from typing import Any
 
 import pytest
 
-from agent.report.allocation import HEADER
+from agent.report.blast_radius import HEADER
 
 grpc = pytest.importorskip("grpc")  # dev extra; the CLI itself needs no grpcio
 pb = pytest.importorskip("agent.proto.podresources_v1_pb2")
-from tests.test_grpc_unix import Kubelet, serve_pod_resources  # noqa: E402 - after the dev-extra check
+from testkit.podresources import Kubelet, pod, serve_pod_resources  # noqa: E402 - after the dev-extra check
 
 
 @pytest.fixture
 def kubelet() -> Iterator[tuple[str, Kubelet]]:
     with serve_pod_resources() as served:
         yield served
-
-
-def pod(name: str, ids: list[str], ns: str = "ml", resource: str = "nvidia.com/gpu") -> Any:
-    cd = pb.ContainerDevices(resource_name=resource, device_ids=ids)
-    return pb.PodResources(name=name, namespace=ns, containers=[pb.ContainerResources(name="main", devices=[cd])])
 
 
 def run(simhost: Any, *args: str) -> subprocess.CompletedProcess[str]:

@@ -1,10 +1,9 @@
-"""The unary gRPC client over h2 on a unix socket (agent/probes/grpc_unix.py) against a real grpcio server that
+"""The unary gRPC client over h2 on a unix socket (agent/kube/grpc_unix.py) against a real grpcio server that
 serves the vendored pod-resources proto, the pod-resources reader's rate limit and bounds, and the generated
 protobuf module being what `make protos` makes."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
@@ -13,76 +12,21 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agent.kube.grpc_unix import GrpcError, unary_call
 from agent.probes import podresources
-from agent.probes.grpc_unix import GrpcError, unary_call
 from agent.probes.podresources import ALLOCATABLE, LIST, PodResourcesReader
 from agent.proto import podresources_v1_pb2 as pb
 
 grpc = pytest.importorskip("grpc")  # dev extra; the agent itself never imports grpcio
+from testkit.podresources import Kubelet, serve_pod_resources  # noqa: E402 - after the dev-extra check
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO = ROOT / "agent" / "proto"
-
-
-class Kubelet:
-    """A pod-resources server: `pods` and `devices` are what it answers; `fail` makes a method abort."""
-
-    def __init__(self) -> None:
-        self.pods: list[Any] = []
-        self.devices: list[Any] = []
-        self.fail: dict[str, tuple[Any, str]] = {}
-        self.calls: list[str] = []
-
-    def list(self, req: Any, ctx: Any) -> Any:
-        self.calls.append("List")
-        if "List" in self.fail:
-            ctx.abort(*self.fail["List"])
-        return pb.ListPodResourcesResponse(pod_resources=self.pods)
-
-    def allocatable(self, req: Any, ctx: Any) -> Any:
-        self.calls.append("GetAllocatableResources")
-        if "GetAllocatableResources" in self.fail:
-            ctx.abort(*self.fail["GetAllocatableResources"])
-        return pb.AllocatableResourcesResponse(devices=self.devices)
-
-
-@contextlib.contextmanager
-def serve_pod_resources() -> Iterator[tuple[str, Kubelet]]:
-    """A gRPC v1.PodResourcesLister on a unix socket answering what the returned Kubelet holds (also used by
-    tests/test_gpus_cli.py and tests/test_allocation_report.py)."""
-    d = tempfile.mkdtemp(prefix="podres-")  # short: a unix socket path has a 108-byte limit
-    sock = os.path.join(d, "kubelet.sock")
-    k = Kubelet()
-    handlers = grpc.method_handlers_generic_handler(
-        "v1.PodResourcesLister",
-        {
-            "List": grpc.unary_unary_rpc_method_handler(
-                k.list,
-                request_deserializer=pb.ListPodResourcesRequest.FromString,
-                response_serializer=pb.ListPodResourcesResponse.SerializeToString,
-            ),
-            "GetAllocatableResources": grpc.unary_unary_rpc_method_handler(
-                k.allocatable,
-                request_deserializer=pb.AllocatableResourcesRequest.FromString,
-                response_serializer=pb.AllocatableResourcesResponse.SerializeToString,
-            ),
-        },
-    )
-    s = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    s.add_generic_rpc_handlers((handlers,))
-    s.add_insecure_port("unix://" + sock)
-    s.start()
-    try:
-        yield sock, k
-    finally:
-        s.stop(0)
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -266,8 +210,8 @@ def _suite(sock: str, tmp: Path) -> Any:
     from agent.checks import CheckSuite
     from agent.config import defaults
     from agent.probes.nvml import NvmlProbe
+    from testkit.fakes import fake_nvml
     from testkit.simhost import SimHost
-    from tests.fakes import fake_nvml
 
     sim = SimHost(tmp / "host", gpus=2)
     nv = fake_nvml([{"busId": g.address.nvml} for g in sim.gpus])
@@ -295,7 +239,11 @@ def test_check_suite_keeps_the_allocation_map_each_poll(server, tmp_path):
     m = suite.allocation
     assert m is not None and [(g.gpu, g.state) for g in m.gpus] == [(a, "full"), (b, "free")]
     assert m.pods_on(a)[0].pod == "train"
-    assert suite.pod_resources_read is not None and suite.pod_resources_read.allocatable_counts == {"nvidia.com/gpu": 2}
+    from agent.probes.podresources import AllocationProbe
+
+    (probe,) = [p for p in suite.probes if isinstance(p, AllocationProbe)]
+    read = probe.reader.last
+    assert read is not None and read.allocatable_counts == {"nvidia.com/gpu": 2}
     assert not [f for f in obs.findings if "pod-resources" in f.message]
 
 

@@ -12,26 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from testkit import controlplane
 from testkit.controlplane import free_port, terminate_group
 from testkit.harness import wait_for
-from tests.conftest import IN_CI
+from testkit.testbin import tool
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "gpu-ready.rules.yaml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "gpu-ready-dashboard.json"
 DOC_METRICS = ROOT / "docs" / "metrics.md"
-
-
-def tool(name: str) -> str:
-    bd = controlplane.testbin_dir()
-    path = bd / name if bd else None
-    if path is None or not path.exists():
-        msg = f"{name} not found in {bd}; run tools/k8s-testbin/build.sh"
-        if IN_CI:
-            pytest.fail(msg, pytrace=False)
-        pytest.skip(msg)
-    return str(path)
 
 
 def test_promtool_check_rules():
@@ -99,7 +87,7 @@ def exported_names() -> set[str]:
     m.events.labels("FatalXid").inc()
     m.check_duration.labels("pci").observe(0.01)
     m.taints.observe(())  # gpu_ready_taint{effect}: set from the first Node read
-    # the allocation map's series (issue 17): published only with podResources on
+    # the allocation map's series: published only with podResources on
     from agent.allocation import ContainerAllocation, PodRef, ResourceDevices, build_map, inventory_from
     from agent.model import PciAddress
 
@@ -267,8 +255,8 @@ def test_real_prometheus_scrape_and_fatal_xid_alert(agent_factory, admin, simhos
 def test_openmetrics_negotiation_and_health_codes():
     import urllib.error
 
+    from agent.http import HealthServer
     from agent.report.metrics import Metrics
-    from agent.report.server import HealthServer
 
     state = {"healthy": (True, "ok"), "ready": (False, "first check cycle not completed")}
     srv = HealthServer("127.0.0.1:0", Metrics().registry, lambda: state["healthy"], lambda: state["ready"]).start()
@@ -295,7 +283,7 @@ def test_agent_health_turns_503_when_the_loop_stalls(simhost):
     import time as _time
 
     from agent import config
-    from agent.kube import KubeApi
+    from agent.kube.client import KubeApi
     from agent.runner import Agent
 
     cfg = config.load(

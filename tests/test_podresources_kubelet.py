@@ -1,6 +1,6 @@
-"""The pod-resources client against the real kubelet (issue 17): `List` and `GetAllocatableResources` over the
-kubelet's own socket, with the pure-Python gRPC client (agent/probes/grpc_unix.py). No device plugin is registered
-here, so List returns the pods with no devices (helper B's tests register a test device plugin).
+"""The pod-resources client against the real kubelet: `List` and `GetAllocatableResources` over the
+kubelet's own socket, with the pure-Python gRPC client (agent/kube/grpc_unix.py). No device plugin is registered
+here, so List returns the pods with no devices (tests/test_allocation_node.py registers a test device plugin).
 
 Also measures the cost of one read (CPU ms in this process) and the RSS the agent process gains when h2, protobuf
 and the client load (a fresh interpreter that imports the `run` path first)."""
@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 from agent.allocation import build_map, inventory_from
-from agent.kube import KubeApi
+from agent.kube.client import KubeApi
+from agent.kube.grpc_unix import unary_call
 from agent.model import PciAddress
-from agent.probes.grpc_unix import unary_call
 from agent.probes.podresources import LIST, PodResourcesReader
 from testkit.controlplane import REPO
 from testkit.harness import wait_for
 from testkit.node import RealNode
-from tests.realnode import real_node
+from testkit.realnode import real_node
 
 pytestmark = [pytest.mark.node, pytest.mark.slow]
 

@@ -145,7 +145,7 @@ def test_serving_and_burnin_commands_are_judged(tmp_path):
     prof = Profile.from_mapping(
         {"serving": {"command": str(ok), "expectOutput": "Paris", "maxLatencySeconds": 5}, "burnInCommand": "false"}
     )
-    from tests.fakes import fake_nvml
+    from testkit.fakes import fake_nvml
 
     nv = fake_nvml([{"busId": "00000000:19:00.0"}])
     res = {r.gate: r for r in run_gates(build_gates(prof, "nvidia-smi", None, nv, None), {})}
@@ -302,7 +302,7 @@ def _burnin_profile(cmd: str) -> Profile:
 
 
 def test_burnin_command_watched_clean_passes(simhost):
-    from tests.fakes import fake_nvml
+    from testkit.fakes import fake_nvml
 
     gpus = [{"busId": "00000000:19:00.0", "remap": (0, 0, 0, 0), "throttle": 0x4 | 0x20}]  # power + thermal cap
     gates = build_gates(_burnin_profile("sleep 1.5"), "nvidia-smi", None, fake_nvml(gpus), str(simhost.kmsg))
@@ -321,7 +321,7 @@ def test_burnin_command_watched_clean_passes(simhost):
     ],
 )
 def test_burnin_watch_fails_on_each_fault(simhost, change, needle):
-    from tests.fakes import fake_nvml
+    from testkit.fakes import fake_nvml
 
     gpus = [{"busId": "00000000:19:00.0", "remap": (0, 0, 0, 0)}]
     simhost.append_xid(79, 0)  # logged before the burn-in: must not count
@@ -355,7 +355,7 @@ def test_burnin_without_nvml_cannot_pass(simhost):
 
 def test_spec_reads_nvml_first_and_falls_back_to_nvidia_smi(simhost):
     from agent.preflight import read_spec
-    from tests.fakes import fake_nvml
+    from testkit.fakes import fake_nvml
 
     gpus = [{"busId": f"00000000:{b:02X}:00.0", "links": [1] * 18} for b in (0x19, 0x3B)]
     gpus[1]["links"] = [1] * 16 + [0, 0]
@@ -370,7 +370,7 @@ def test_spec_reads_nvml_first_and_falls_back_to_nvidia_smi(simhost):
     assert read_spec(str(simhost.nvidia_smi), None)[2] == "nvidia-smi"
 
 
-# -- profile types (issue 11: `gpuCount: "8"` failed with "expected 8 GPUs, found 8") -----------------------
+# -- profile types (a quoted `gpuCount: "8"` once failed with "expected 8 GPUs, found 8") --------------------
 
 
 def test_profile_values_are_converted_to_their_types(simhost):
@@ -554,9 +554,9 @@ def test_gates_step_runs_commands_without_api_credentials_and_writes_results(tmp
 def test_job_steps_pass_the_chart_policy_with_the_preflight_token(control_plane, admin, make_node, tmp_path):
     """The three steps as the chart's Job runs them, each a separate process; cordon and record with the
     preflight ServiceAccount's token bound to a pod on the node, under the chart's own RBAC and policies."""
+    from testkit.chart import apply_release
     from testkit.cluster import bound_token
     from testkit.harness import wait_for
-    from tests.test_security import apply_release
 
     kc_admin = control_plane.kubeconfig(tmp_path / "admin")
     rel = apply_release(control_plane, kc_admin, "pfjob", ["--set", "preflight.enabled=true"])

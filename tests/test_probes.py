@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
-from agent.kmsg_watch import KmsgSource, KmsgUnavailable, format_record
+from agent.kernel_log.source import KmsgSource, KmsgUnavailable, format_record
 from agent.model import PciAddress, Reason, Severity
-from agent.probes.device_plugin import MigLayout, plugin_counts, plugin_findings
+from agent.probes.device_plugin import MigCounts, plugin_counts, plugin_findings
 from agent.probes.nvidia_smi import NvidiaSmiRunner, probe_nvidia_smi
 from agent.probes.nvml import NvmlProbe
 from agent.probes.pci import list_pci_gpus, probe_pci
+from testkit.fakes import fake_nvml
 from testkit.harness import wait_for
-from tests.fakes import fake_nvml
 
 # -- PCI ------------------------------------------------------------------------------------------------
 
@@ -109,13 +108,13 @@ def test_plugin_time_slicing_replicas_from_label_and_renamed_resource():
 
 
 def test_plugin_mig_single():
-    lay = MigLayout(mig_enabled_gpus=8, gpus_with_mig_devices=8, mig_devices=56)
+    lay = MigCounts(mig_enabled_gpus=8, gpus_with_mig_devices=8, mig_devices=56)
     pc = plugin_counts(node({"nvidia.com/gpu": "56"}, labels={"nvidia.com/mig.strategy": "single"}), lay)
     assert pc.physical == 8
 
 
 def test_plugin_mig_mixed():
-    lay = MigLayout(mig_enabled_gpus=2, gpus_with_mig_devices=2, mig_devices=8, full_gpus=6)
+    lay = MigCounts(mig_enabled_gpus=2, gpus_with_mig_devices=2, mig_devices=8, full_gpus=6)
     pc = plugin_counts(node({"nvidia.com/gpu": "6", "nvidia.com/mig-1g.10gb": "4", "nvidia.com/mig-3g.40gb": "4"}), lay)
     assert (pc.strategy, pc.physical) == ("mixed", 8)
     # the plugin lost half the MIG devices: one MIG GPU is missing behind the plugin
@@ -143,13 +142,16 @@ def test_missing_binary_is_could_not_check(tmp_path):
 
 
 def test_hung_child_is_killed_at_the_timeout(simhost):
+    """The stand-in hangs for an hour: the run returns because it was killed at the timeout, and the next run
+    starts a fresh nvidia-smi (a hung one that could not be killed would be remembered and none started)."""
     simhost.set_smi(hang=True)
     r = NvidiaSmiRunner(str(simhost.nvidia_smi), timeout_s=0.5)
-    t0 = time.monotonic()
     res = probe_nvidia_smi(r)
-    assert time.monotonic() - t0 < 4
     f = res.findings
     assert res.timed_out and f[0].kind == "timeout" and f[0].reason is Reason.NVIDIA_SMI_FAILED
+    calls = simhost.smi_call_count()
+    simhost.set_smi()
+    assert probe_nvidia_smi(r).count == 8 and simhost.smi_call_count() == calls + 1
 
 
 def test_unreapable_child_is_abandoned_and_no_second_one_starts(simhost, monkeypatch):
@@ -186,7 +188,7 @@ def test_nvml_faults_per_gpu():
             {"busId": "00000000:BB:00.0", "handle_error": 15},
         ]
     )
-    f, snap = NvmlProbe("auto", nvml=m).probe()
+    f, snap = NvmlProbe("auto", nvml=m).sample()
     kinds = {(x.kind, x.gpu.nvml if x.gpu else None, x.severity.value) for x in f}
     assert kinds == {
         ("recovery_action", "00000000:3B:00.0", "fault"),
@@ -200,27 +202,25 @@ def test_nvml_faults_per_gpu():
 
 
 def test_nvml_library_missing_is_skipped_in_auto_and_unchecked_when_required():
-    f, snap = NvmlProbe("auto", nvml=fake_nvml([], init_error=12)).probe()
+    f, snap = NvmlProbe("auto", nvml=fake_nvml([], init_error=12)).sample()
     assert snap is None and [x.severity for x in f] == [Severity.INFO]
-    f, _ = NvmlProbe("on", nvml=fake_nvml([], init_error=12)).probe()
+    f, _ = NvmlProbe("on", nvml=fake_nvml([], init_error=12)).sample()
     assert [x.severity for x in f] == [Severity.UNCHECKED]
-    assert NvmlProbe("off", nvml=fake_nvml([])).probe() == ([], None)
+    assert NvmlProbe("off", nvml=fake_nvml([])).sample() == ([], None)
 
 
 def test_nvml_call_under_a_deadline():
     p = NvmlProbe(
         "auto", deadline_s=0.3, nvml=fake_nvml([{"busId": "00000000:19:00.0"}], hang="nvmlDeviceGetRemappedRows")
     )
-    t0 = time.monotonic()
-    f, _ = p.probe()
-    assert time.monotonic() - t0 < 2
+    f, _ = p.sample()  # returns although the call stays blocked until the test is over (testkit/fakes.py)
     assert f[0].reason is Reason.NVML_HEALTH and "did not return within 0.3s" in f[0].message
-    f, _ = p.probe()  # the stuck call has not returned yet: no new call is started
+    f, _ = p.sample()  # the stuck call has not returned yet: no new call is started
     assert "still blocked" in f[0].message
 
 
 def test_real_pynvml_without_a_driver_is_skipped():
-    f, snap = NvmlProbe("auto").probe()  # nvidia-ml-py is installed; libnvidia-ml is not on CI machines
+    f, snap = NvmlProbe("auto").sample()  # nvidia-ml-py is installed; libnvidia-ml is not on CI machines
     if snap is None:
         assert f and f[0].kind == "skipped"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.kmsg_watch import format_record, parse_record
+from agent.kernel_log.source import format_record, parse_record
+from agent.kernel_log.xid import KernelLogParser
 from agent.model import PciAddress
 from agent.probes.nvidia_smi import parse_smi_table, smi_findings
-from agent.xid import KernelLogParser
 
 texty = st.text(alphabet=st.characters(), max_size=2000)
 tabley = st.lists(

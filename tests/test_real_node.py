@@ -30,13 +30,13 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.kube import ApiError, KubeApi
+from agent.kube.client import ApiError, KubeApi
 from testkit.cluster import condition, create_node
 from testkit.controlplane import REPO
 from testkit.harness import wait_for
 from testkit.node import NodeControlPlane, NodeImages, RealNode, build_containerd, build_images
+from testkit.realnode import prerequisites, real_node
 from testkit.simhost import SimHost, buses_free_in_kmsg
-from tests.realnode import prerequisites, real_node
 
 pytestmark = [pytest.mark.node, pytest.mark.slow]
 
@@ -439,8 +439,8 @@ def test_preflight_job_runs_on_the_node(env: Env) -> None:
     )
     envs = [e.get("name") for c in job_spec.get("initContainers", []) for e in c.get("env", [])]
     assert job_spec.get("hostNetwork") is True and "KUBERNETES_SERVICE_HOST" in envs, (
-        "the chart's preflight Job takes no hostNetwork / agent.extraEnv / extraVolumes yet (issue 14: "
-        "templates/preflight.yaml and the preflight container helper need them)"
+        "the chart's preflight Job takes no hostNetwork / agent.extraEnv / extraVolumes yet "
+        "(templates/preflight.yaml and the preflight container helper need them)"
     )
     seen_cordoned = threading.Event()
     stop = threading.Event()

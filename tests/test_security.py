@@ -11,7 +11,6 @@ import json
 import os
 import re
 import secrets
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.kube import MERGE_PATCH, STRATEGIC_MERGE, ApiError, KubeApi
+from agent.kube.client import MERGE_PATCH, STRATEGIC_MERGE, ApiError, KubeApi
+from testkit.chart import Release, apply_release, by_kind, render
 from testkit.cluster import (
     AGENT_CLUSTER_RULES,
     AGENT_EVENT_RULES,
@@ -30,12 +30,11 @@ from testkit.cluster import (
     PREFLIGHT_EVENT_RULES,
     bound_token,
     create_node,
-    ensure_namespace,
     now_rfc3339,
 )
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
-from tests.test_chart import KUBECTL, render
+from testkit.security import denied_by, denied_by_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "deployment.md"
@@ -44,15 +43,6 @@ JSON_PATCH = "application/json-patch+json"
 APPLY = "application/apply-patch+yaml"
 TAINT = "gpu-ready.io/gpu-not-ready"
 CTYPE = "GPUReady"
-POLICY_KINDS = {
-    "ServiceAccount",
-    "ClusterRole",
-    "ClusterRoleBinding",
-    "Role",
-    "RoleBinding",
-    "ValidatingAdmissionPolicy",
-    "ValidatingAdmissionPolicyBinding",
-}
 PATCH_NAMES = {STRATEGIC_MERGE: "strategic merge", MERGE_PATCH: "merge", JSON_PATCH: "JSON patch", APPLY: "apply"}
 
 # -- the baseline Nodes: what a kubelet, GPU feature discovery, an admin and the agent left there -------------
@@ -920,13 +910,6 @@ def request_text(a: Attempt) -> str:
     return f"`{r.method} {path}`" + (f" ({kind})" if kind else "")
 
 
-def denied_by(message: str) -> str:
-    """Which layer said no: RBAC (authorization) or one of the chart's admission policies."""
-    if "ValidatingAdmissionPolicy" in message:
-        return "policy " + re.sub(r"^.*?-gpu-ready-", "", message.split("ValidatingAdmissionPolicy '")[1].split("'")[0])
-    return "RBAC" if "cannot" in message and "forbidden" in message else ""
-
-
 def table(observed: list[tuple[int, str]]) -> str:
     lines = [
         "| # | token | request | attempt | expected | observed | denied by |",
@@ -941,22 +924,6 @@ def table(observed: list[tuple[int, str]]) -> str:
 
 
 @dataclass
-class Release:
-    ns: str
-    values: list[str]
-    docs: list[dict[str, Any]]
-
-    @property
-    def fullname(self) -> str:
-        return f"{self.ns}-gpu-ready"
-
-    @property
-    def sa(self) -> str:
-        """The agent's ServiceAccount (the first the chart renders)."""
-        return next(str(d["metadata"]["name"]) for d in self.docs if d["kind"] == "ServiceAccount")
-
-
-@dataclass
 class Cluster:
     cp: ControlPlane
     admin: KubeApi
@@ -968,39 +935,6 @@ class Cluster:
         sa = f"{rel.fullname}-preflight" if who == PF else rel.fullname
         tok, _ = bound_token(self.admin, rel.ns, sa, None if who == UB else node)
         return KubeApi.from_token(self.cp.host, tok, self.cp.ca_file)
-
-
-def apply_release(cp: ControlPlane, kc: Path, name: str, values: list[str]) -> Release:
-    """The chart's ServiceAccount, RBAC and admission policies, rendered with `values` in a namespace of their
-    own, applied with kubectl (also tests/test_dra.py)."""
-    ns = f"{name}-{secrets.token_hex(3)}"
-    docs = render(values, namespace=ns, release=ns)
-    mine = [d for d in docs if d["kind"] in POLICY_KINDS]
-    admin = cp.admin()
-    try:
-        ensure_namespace(admin, ns)
-    finally:
-        admin.close()
-    r = subprocess.run(
-        [KUBECTL, "--kubeconfig", str(kc), "apply", "-f", "-"],
-        input=yaml.safe_dump_all(mine),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    return Release(ns, values, docs)
-
-
-def denied_by_policy(fn: Callable[[], Any], policy: str) -> bool:
-    """A probe: True once the request is denied by `policy` (policies take a moment to load after creation)."""
-    try:
-        fn()
-    except ApiError as e:
-        if e.status == 403 and policy in str(e):
-            return True
-        raise
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -1117,10 +1051,6 @@ def test_every_attempt_is_listed_once_with_a_known_token():
 
 
 # -- the rendered chart ---------------------------------------------------------------------------------------
-
-
-def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
 def test_chart_rbac_is_the_testkit_rbac_and_events_are_namespaced():

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.kube import MERGE_PATCH, ApiError, KubeApi
+from agent.kube.client import MERGE_PATCH, ApiError, KubeApi
+from testkit.chart import CHART, KUBECTL, Release, apply_release, by_kind, helm, render
 from testkit.cluster import EVENT_NAMESPACE, bound_token, create_node, ensure_namespace
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
-from tests.test_chart import render
-from tests.test_security import Release, apply_release, by_kind, denied_by, denied_by_policy
+from testkit.security import denied_by, denied_by_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 ON = ["--set", "podResources.enabled=true"]
@@ -378,8 +378,6 @@ ON_NONPRIV = [*ON, "--set", "agent.privileged=false", "--set", "podResources.hos
 
 @pytest.mark.parametrize("values", [ON, ON_NONPRIV], ids=["privileged", "non-privileged"])
 def test_helm_lint_strict_and_schema(values):
-    from tests.test_chart import CHART, helm
-
     r = helm("lint", str(CHART), "--strict", *values)
     assert "1 chart(s) linted, 0 chart(s) failed" in r.stdout
     bad = helm("lint", str(CHART), "--set", "podResources.hostPath=relative", check=False)
@@ -391,8 +389,6 @@ def test_helm_lint_strict_and_schema(values):
 @pytest.mark.apiserver
 @pytest.mark.parametrize("values", [ON, ON_NONPRIV], ids=["privileged", "non-privileged"])
 def test_server_side_dry_run_with_pod_resources(values, control_plane, admin, tmp_path):
-    from tests.test_chart import KUBECTL
-
     ns = f"gr-podres-{secrets.token_hex(3)}"
     ensure_namespace(admin, ns)
     docs = [d for d in render(values, namespace=ns) if not d["apiVersion"].startswith("monitoring.coreos.com")]

@@ -1,4 +1,4 @@
-"""The node's DRA ResourceSlices from a watch (agent/slice_cache.py, issue 20), on the real apiserver: the cache holds
+"""The node's DRA ResourceSlices from a watch (agent/kube/slice_cache.py), on the real apiserver: the cache holds
 the node's slices of its driver and only them, follows a new slice, a device taint and a deletion within a second,
 survives watch expiries, a 410 Gone and an apiserver restart, answers "no slices" without a request where the
 cluster serves no resource.k8s.io/v1, and the agent's CheckSuite sends no ResourceSlice LIST while the watch is
@@ -12,15 +12,14 @@ from typing import Any
 
 import pytest
 
-from agent.kube import ApiError, KubeApi
+from agent.kube.client import ApiError, KubeApi
+from agent.kube.slice_cache import MAX_STORED, SliceCache
 from agent.probes.dra import SLICES_PATH, node_inventory
 from agent.runner import Agent
-from agent.slice_cache import MAX_STORED, SliceCache
 from testkit.cluster import AGENT_RULES
-from testkit.harness import wait_for
+from testkit.dra import DRIVER, nvidia_slice
+from testkit.harness import in_process_agent, wait_cycles, wait_for
 from testkit.simhost import SimHost
-from tests.test_agent_watch import in_process_agent, wait_cycles
-from tests.test_dra import DRIVER, nvidia_slice
 
 pytestmark = pytest.mark.apiserver
 
@@ -198,7 +197,7 @@ def test_survives_a_410_gone_and_an_apiserver_restart(control_plane, tmp_path, c
 
 def test_no_resource_k8s_io_v1_is_no_dra_without_requests(admin, caches, monkeypatch):
     """An apiserver that serves no resource.k8s.io/v1 answers 404: no slices, and the watch is not retried soon."""
-    monkeypatch.setattr("agent.slice_cache.SLICES_PATH", "/apis/resource.k8s.io/v9/resourceslices")
+    monkeypatch.setattr("agent.kube.slice_cache.SLICES_PATH", "/apis/resource.k8s.io/v9/resourceslices")
     verbs = lists_counted(admin)
     try:
         cache = started(caches, admin, f"dra-{secrets.token_hex(4)}")

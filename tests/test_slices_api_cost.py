@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from agent import config
-from agent.checks import DRA_EMPTY_RELIST_S, CheckSuite
-from agent.kube import KubeApi
+from agent.checks import CheckSuite
+from agent.probes.dra import DRA_EMPTY_RELIST_S
+from agent.kube.client import KubeApi
+from testkit.dra import nvidia_slice
 from testkit.simhost import SimHost
-from tests.test_dra import nvidia_slice
 
 
 def _suite(simhost: SimHost, node: str, api: KubeApi, clock: Callable[[], float]) -> CheckSuite:

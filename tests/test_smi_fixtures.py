@@ -1,4 +1,4 @@
-"""Every nvidia-smi sample in shared/fixtures and tests/fixtures, with what it must read as."""
+"""Every nvidia-smi sample in tests/fixtures, with what it must read as."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from agent.model import Reason, Severity
 from agent.probes.nvidia_smi import parse_smi_table, smi_findings
-from tests.conftest import FIXTURES, fixture_path
+from testkit.fixture_files import FIXTURES, fixture_path
 
 H100X8 = [
     "00000000:19:00.0",

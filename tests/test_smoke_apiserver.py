@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.kube import ApiError
+from agent.kube.client import ApiError
 from testkit.cluster import condition, now_rfc3339
 
 pytestmark = pytest.mark.apiserver

@@ -1,4 +1,4 @@
-"""gpu-ready's taint on its own Node (issue 15): the pure planner on plain data, and the reporter against a
+"""gpu-ready's taint on its own Node (agent/act/taints.py): the pure planner on plain data, and the reporter against a
 real kube-apiserver with the REAL kube-scheduler (binding) and kube-controller-manager (NoExecute taint
 eviction). No kubelet runs: binding and taint eviction are control-plane behaviour; pod status is set by
 the test where it matters."""
@@ -10,7 +10,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from agent.kube import ApiError, KubeApi
-from agent.model import LatchedFault, Observation, PciAddress, Reason, Status, Verdict
-from agent.report.condition import ConditionReporter
-from agent.report.events import EventReporter
-from agent.report.taints import (
+from agent.act.taints import (
     EFFECTS,
-    JSON_PATCH,
     NO_EXECUTE,
     NO_SCHEDULE,
     TAINT_KEY,
@@ -40,26 +35,31 @@ from agent.report.taints import (
     taint_key_error,
     taint_patch,
 )
+from agent.kube.client import ApiError, KubeApi
+from agent.model import LatchedFault, Observation, PciAddress, Reason, Status, Verdict
+from agent.report.condition import ConditionReporter
+from agent.report.events import EventReporter
 from agent.verdict import decide
-from testkit.cluster import AGENT_RULES, now_rfc3339, service_account_client
-from testkit.controlplane import ControlPlane
-from testkit.harness import wait_for
-from tests.conftest import require_testbin
+from testkit.cluster import AGENT_RULES, service_account_client
+from testkit.scheduling import (
+    OTHERS,
+    STARTUP_TAINT,
+    TOLERATE_OTHERS,
+    SchedulerPlane,
+    bound_to,
+    get_pod,
+    gpu_pod,
+    node_taints,
+    pod_condition,
+    register_node,
+    unschedulable,
+)
 
-BINARIES = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager")
 TAINT_RULES = [*AGENT_RULES, {"apiGroups": [""], "resources": ["nodes"], "verbs": ["patch"]}]
 HEALTHY = Verdict(Status.TRUE, Reason.GPUS_HEALTHY, "8 GPUs healthy")
 STARTUP = TaintSettings(mode=TaintMode.STARTUP)
 CONTINUOUS = TaintSettings(mode=TaintMode.CONTINUOUS)
 CONTINUOUS_NX = TaintSettings(mode=TaintMode.CONTINUOUS, no_execute_on_fatal=True)
-STARTUP_TAINT = {"key": TAINT_KEY, "effect": NO_SCHEDULE}
-# Taints that belong to others and must come through every change byte for byte, in order.
-OTHERS: list[dict[str, Any]] = [
-    {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},  # the GPU pool's / device plugin's
-    {"key": "example.com/dedicated", "value": "ml", "effect": "NoSchedule"},  # an admin's
-    {"key": "example.com/maintenance", "value": "planned", "effect": "NoExecute", "timeAdded": "2026-11-30T08:00:00Z"},
-]
-TOLERATE_OTHERS = [{"key": t["key"], "operator": "Exists"} for t in OTHERS]
 MEASURED: dict[str, float] = {}
 
 
@@ -190,127 +190,14 @@ def test_taint_metrics_show_what_is_on_the_node():
     assert reg.get_sample_value("gpu_ready_taint_changes_total", {"change": "removed", "effect": NO_SCHEDULE}) == 1
 
 
-# -- a control plane with the real scheduler and taint-eviction controller -------------------------------------
+# -- on a control plane with the real scheduler and taint-eviction controller (`sched_plane`, tests/conftest.py) --
 
 
-@dataclass
-class SchedulerPlane:
-    control_plane: ControlPlane  # the name tests/conftest.py looks for to append the apiserver log on failure
-    admin: KubeApi
-    namespace: str
-    nodes: list[str] = field(default_factory=list)
-
-    def logs(self) -> str:
-        cp = self.control_plane
-        return "".join(
-            f"\n--- {c} log (tail) ---\n{cp.log_tail(40, component=c)}"
-            for c in ("kube-scheduler", "kube-controller-manager")
-        )
-
-    def wait(self, pred: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-        try:
-            return wait_for(pred, timeout, what=what)
-        except AssertionError as e:
-            raise AssertionError(f"{e}{self.logs()}") from None
-
-
-@pytest.fixture(scope="module")
-def sched_plane() -> Iterator[SchedulerPlane]:
-    bd = require_testbin(*BINARIES)
-    cp = ControlPlane(bd)
-    admin: KubeApi | None = None
-    try:
-        cp.start()
-        cp.start_scheduler()
-        cp.start_controller_manager()
-        print(
-            f"\n[control plane] kube-apiserver {cp.start_seconds:.1f}s, "
-            + ", ".join(f"{k} {v:.1f}s" for k, v in cp.component_start_seconds.items())
-        )
-        admin = cp.admin()
-        ns = f"taints-{secrets.token_hex(3)}"
-        admin.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
-        yield SchedulerPlane(cp, admin, ns)
-    finally:
-        if admin is not None:
-            admin.close()
-        cp.stop()
-        if MEASURED:
-            print("\n[taints] measured: " + ", ".join(f"{k} {v:.2f}s" for k, v in MEASURED.items()))
-
-
-def register_node(plane: SchedulerPlane, taints: list[dict[str, Any]]) -> str:
-    """A GPU Node as a kubelet started with --register-with-taints would create it: the taints are there
-    from the first write, then the status with 8 nvidia.com/gpu and Ready=True."""
-    name = f"gpu-{secrets.token_hex(4)}"
-    api = plane.admin
-    body = {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "nvidia.com/gpu.present": "true"}},
-        "spec": {"taints": taints} if taints else {},
-    }
-    api.request("POST", "/api/v1/nodes", body)
-    res = {"cpu": "16", "memory": "128Gi", "pods": "110", "nvidia.com/gpu": "8"}
-    t = now_rfc3339()
-    ready = {
-        "type": "Ready",
-        "status": "True",
-        "reason": "KubeletReady",
-        "lastHeartbeatTime": t,
-        "lastTransitionTime": t,
-    }
-    api.patch_node_status(name, {"status": {"capacity": res, "allocatable": res, "conditions": [ready]}})
-    # The TaintNodesByCondition admission plugin adds node.kubernetes.io/not-ready:NoSchedule at creation; the
-    # node lifecycle controller removes it once the kubelet posts Ready. That controller is not run here (with
-    # no kubelet renewing a Lease it would taint every Node unreachable), so the test does its part.
-    now = api.get_node(name)["spec"].get("taints") or []
-    keep = [t for t in now if t.get("key") != "node.kubernetes.io/not-ready"]
-    api.request("PATCH", f"/api/v1/nodes/{name}", taint_patch(now, keep), JSON_PATCH)
-    plane.nodes.append(name)
-    return name
-
-
-def gpu_pod(plane: SchedulerPlane, node: str, tolerations: list[dict[str, Any]], node_name: str = "") -> str:
-    """A Pod asking for one nvidia.com/gpu, pinned to `node` by its hostname label (other tests' nodes in this
-    control plane must not take it). With node_name it is created already bound."""
-    name = f"train-{secrets.token_hex(3)}"
-    spec: dict[str, Any] = {
-        "nodeSelector": {"kubernetes.io/hostname": node},
-        "tolerations": tolerations,
-        "terminationGracePeriodSeconds": 30,
-        "containers": [{"name": "c", "image": "cuda:test", "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
-    }
-    if node_name:
-        spec["nodeName"] = node_name
-    plane.admin.request(
-        "POST", f"/api/v1/namespaces/{plane.namespace}/pods", {"metadata": {"name": name}, "spec": spec}
-    )
-    return name
-
-
-def get_pod(plane: SchedulerPlane, name: str) -> dict[str, Any]:
-    return plane.admin.request("GET", f"/api/v1/namespaces/{plane.namespace}/pods/{name}")
-
-
-def pod_condition(pod: dict[str, Any], ctype: str) -> dict[str, Any] | None:
-    return next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == ctype), None)
-
-
-def bound_to(plane: SchedulerPlane, name: str, node: str) -> bool:
-    return get_pod(plane, name).get("spec", {}).get("nodeName") == node
-
-
-def unschedulable(plane: SchedulerPlane, name: str) -> dict[str, Any] | None:
-    pod = get_pod(plane, name)
-    c = pod_condition(pod, "PodScheduled")
-    if c and c.get("status") == "False" and c.get("reason") == "Unschedulable" and not pod["spec"].get("nodeName"):
-        return c
-    return None
-
-
-def node_taints(plane: SchedulerPlane, node: str) -> list[dict[str, Any]]:
-    return list(plane.admin.get_node(node).get("spec", {}).get("taints") or [])
+@pytest.fixture(scope="module", autouse=True)
+def report_measured() -> Iterator[None]:
+    yield
+    if MEASURED:
+        print("\n[taints] measured: " + ", ".join(f"{k} {v:.2f}s" for k, v in MEASURED.items()))
 
 
 @dataclass
@@ -647,7 +534,7 @@ def test_bad_taint_settings_exit_2_with_one_line(tmp_path):
 
 def test_chart_passes_taint_settings_and_tolerates_the_key_with_every_effect(tmp_path):
     from agent import config
-    from tests.test_chart import render
+    from testkit.chart import render
 
     def rendered(*values: str) -> tuple[config.Config, list[dict[str, Any]], list[dict[str, Any]]]:
         docs = render(list(values))

@@ -1,4 +1,4 @@
-"""gpu-ready's taint end to end (issue 15): the REAL agent process (`gpu-ready run`, testkit.harness.AgentProc)
+"""gpu-ready's taint end to end: the REAL agent process (`gpu-ready run`, testkit.harness.AgentProc)
 on a simulated GPU host, configured by the chart's rendered ConfigMap and holding a token of the chart's
 ServiceAccount (the chart's RBAC and CEL admission policies applied to the apiserver), against the real
 kube-scheduler (binding) and kube-controller-manager (NoExecute taint eviction).
@@ -19,14 +19,12 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.kube import ApiError, KubeApi
-from agent.report.taints import NO_EXECUTE, NO_SCHEDULE, TAINT_KEY
+from agent.act.taints import NO_EXECUTE, NO_SCHEDULE, TAINT_KEY
+from agent.kube.client import ApiError, KubeApi
+from testkit.chart import Release, apply_release
 from testkit.cluster import condition
 from testkit.harness import AgentProc, first_times, wait_for
-from testkit.simhost import SimHost
-from tests import test_taints
-from tests.test_security import Release, apply_release, denied_by_policy
-from tests.test_taints import (
+from testkit.scheduling import (
     OTHERS,
     STARTUP_TAINT,
     TOLERATE_OTHERS,
@@ -39,10 +37,10 @@ from tests.test_taints import (
     register_node,
     unschedulable,
 )
+from testkit.security import denied_by_policy
+from testkit.simhost import SimHost
 
 pytestmark = pytest.mark.apiserver
-# The module-scoped control plane with kube-scheduler and kube-controller-manager (fixture name `sched_plane`).
-sched_plane = test_taints.sched_plane
 
 MEASURED: dict[str, list[float]] = {}
 

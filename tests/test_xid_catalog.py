@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.xid import (
+from agent.kernel_log.xid import (
     NO_LATCH_ACTIONS,
     NVLINK5_LATCH_ACTIONS,
     KernelLogParser,
@@ -149,7 +149,7 @@ def nvlink5_line(xid: int, unit: str, word: str, intr: int, status: int, domain:
 @pytest.mark.parametrize(
     "line,fatal,action",
     [
-        # issue 13: RLW_REMAP status 0x40 is RESET_GPU/Fatal in the table even when the record says Nonfatal
+        # RLW_REMAP status 0x40 is RESET_GPU/Fatal in the table even when the record says Nonfatal
         (nvlink5_line(145, "RLW_REMAP", "Nonfatal", 0x4, 0x40), True, "RESET_GPU"),
         # TLW status 0x4: RESET_GPU, whatever the word
         (nvlink5_line(146, "TLW_CTRL", "Nonfatal", 0x9, 0x4), True, "RESET_GPU"),

@@ -1,5 +1,5 @@
 """`gpu-ready check --json` end to end on a simulated 8-GPU host: the real CLI reads a kernel log written in
-/dev/kmsg's record format and must follow NVIDIA's Xid catalog (issue 13's "done when")."""
+/dev/kmsg's record format and must follow NVIDIA's Xid catalog."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.kmsg_watch import format_record
+from agent.kernel_log.source import format_record
+from testkit.fixture_files import fixture_path
 from testkit.simhost import SimHost
-from tests.conftest import fixture_path
 
 ROOT = Path(__file__).parents[1]
 

@@ -1,4 +1,4 @@
-"""Every kernel-log sample in shared/fixtures and tests/fixtures, with the GPU errors it must yield."""
+"""Every kernel-log sample in tests/fixtures, with the GPU errors it must yield."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
+from agent.kernel_log.xid import KernelLogParser, XidClassifier, load_catalog
 from agent.model import PciAddress
-from agent.xid import KernelLogParser, XidClassifier, load_catalog
-from tests.conftest import FIXTURES, fixture_path
+from testkit.fixture_files import FIXTURES, fixture_path
 
 
 def parse_file(name, **kw):
@@ -235,7 +235,7 @@ def test_without_timestamps_a_burst_is_counted_in_records():
     assert len(p.feed(FOB_91)) == 1
 
 
-# --- bounded, linear-time parsing (issue 12 items 10 and 13) ----------------------------------------------------
+# --- bounded, linear-time parsing ----------------------------------------------------------------------------------
 
 HOSTILE = {
     "100 KB record, no closing parenthesis": "NVRM: Xid (PCI:0000:01:00" + "0" * 100_000,

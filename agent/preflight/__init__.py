@@ -9,11 +9,10 @@ and a short report, uncordon if preflight cordoned it; a gate fails -> label <ke
 cordon / gates / record steps the chart's Job runs as separate containers (the gates without the token)."""
 
 from agent.preflight.burnin import ALLOWED_THROTTLE, THROTTLE_REASONS, BurnInWatch, load_nvml, watched
-from agent.preflight.cli import add_arguments, main, read_results, render, write_results
 from agent.preflight.command import run_command_gate
 from agent.preflight.cuda import load_cuda
 from agent.preflight.gates import Lazy, build_gates, run_gates
-from agent.preflight.model import DEFAULT_TIMEOUTS, FAIL, GATES, PASS, SKIP, GateFn, GateResult, passed
+from agent.preflight.main import add_arguments, main, read_results, render, write_results
 from agent.preflight.onboarding import (
     ANNOTATIONS,
     CORDONED_BY,
@@ -25,6 +24,7 @@ from agent.preflight.onboarding import (
     short_report,
 )
 from agent.preflight.profile import Profile, ProfileError, version_matches
+from agent.preflight.result import DEFAULT_TIMEOUTS, FAIL, GATES, PASS, SKIP, GateFn, GateResult, passed
 from agent.preflight.spec import GpuSpec, check_spec, read_spec, read_spec_nvidia_smi, read_spec_nvml
 
 __all__ = [

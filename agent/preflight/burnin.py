@@ -8,11 +8,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent.kmsg_watch import KmsgSource
+from agent.kernel_log.source import KmsgSource
+from agent.kernel_log.xid import KernelLogParser, XidClassifier
 from agent.preflight.command import run_command_gate
-from agent.preflight.model import DEFAULT_TIMEOUTS, FAIL, PASS, SKIP, GateResult
 from agent.preflight.profile import Profile
-from agent.xid import KernelLogParser, XidClassifier
+from agent.preflight.result import DEFAULT_TIMEOUTS, FAIL, PASS, SKIP, GateResult
 
 
 def cuda_burnin(cp: Any, seconds: float, sample: Callable[[], None] | None = None) -> GateResult:

@@ -1,6 +1,6 @@
 """A gate judged by an external command (dcgmi diag, gpu-burn, a serving check): exit code, an optional
 latency bound and an optional output regex. The command runs in its own process group, without Kubernetes
-credentials in its environment, and is killed with its group on timeout (agent.preflight.process)."""
+credentials in its environment, and is killed with its group on timeout (agent.proc)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 import shlex
 from collections.abc import Callable
 
-from agent.preflight.model import FAIL, PASS, GateResult
-from agent.preflight.process import run_command
+from agent.preflight.result import FAIL, PASS, GateResult
+from agent.proc import run_command
 
 
 def run_command_gate(

@@ -1,11 +1,11 @@
 """The CUDA gate: a small kernel compiles (NVRTC) and computes the right result on every GPU (cupy). The
-binding is loaded inside the gate's own process (agent.preflight.process forks before CUDA is touched)."""
+binding is loaded inside the gate's own process (agent.proc forks before CUDA is touched)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from agent.preflight.model import FAIL, PASS, SKIP, GateResult
+from agent.preflight.result import FAIL, PASS, SKIP, GateResult
 
 
 def load_cuda() -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from agent.preflight.model import FAIL, PASS, SKIP, GateResult
+from agent.preflight.result import FAIL, PASS, SKIP, GateResult
 
 
 def cuda_p2p(cp: Any, min_gbps: float | None) -> GateResult:

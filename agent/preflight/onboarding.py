@@ -9,10 +9,10 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.kube import KubeApi
+from agent.kube.client import KubeApi
 from agent.preflight.gates import run_gates
-from agent.preflight.model import GateFn, GateResult, passed
 from agent.preflight.profile import Profile
+from agent.preflight.result import GateFn, GateResult, passed
 from agent.report.events import EventReporter
 
 CORDONED_BY = "gpu-ready.io/preflight-cordoned"

@@ -10,10 +10,22 @@ from typing import Any
 
 import yaml
 
-from agent.config import ConfigError, convert, non_negative, positive, to_bool, to_float, to_int, to_str
-from agent.preflight.model import GATES
+from agent.preflight.result import GATES
+from agent.settings import (
+    ConfigError,
+    _show,
+    convert,
+    load_yaml,
+    non_negative,
+    positive,
+    read_text_file,
+    to_bool,
+    to_float,
+    to_int,
+    to_str,
+)
 
-PROFILE_LIMIT = 1 << 20  # bytes
+PROFILE_LIMIT = 64 << 10  # bytes; a profile is a few hundred
 
 
 class ProfileError(ValueError):
@@ -49,7 +61,7 @@ def version_matches(version: str, spec: str) -> bool:
 
 def _version_spec(v: Any) -> str:
     if not isinstance(v, str):  # 550.90 in YAML is the float 550.9: refuse instead of guessing
-        raise ValueError(f'expected a quoted version constraint such as ">=550.90", got {v!r}')
+        raise ValueError(f'expected a quoted version constraint such as ">=550.90", got {_show(v)}')
     version_matches("0", v)
     return v
 
@@ -65,19 +77,19 @@ def _regex(v: Any) -> str:
 
 def _gate_list(v: Any) -> list[str]:
     if not isinstance(v, list):
-        raise ValueError(f"expected a list of gate names, got {v!r}")
+        raise ValueError(f"expected a list of gate names, got {_show(v)}")
     bad = [g for g in v if g not in GATES]
     if bad:
-        raise ValueError(f"unknown gate names {bad}; gates are {', '.join(GATES)}")
+        raise ValueError(f"unknown gate names {_show(bad)}; gates are {', '.join(GATES)}")
     return [str(g) for g in v]
 
 
 def _timeouts(v: Any) -> dict[str, float]:
     if not isinstance(v, dict):
-        raise ValueError(f"expected a mapping of gate name to seconds, got {v!r}")
+        raise ValueError(f"expected a mapping of gate name to seconds, got {_show(v)}")
     bad = [g for g in v if g not in GATES]
     if bad:
-        raise ValueError(f"unknown gate names {bad}; gates are {', '.join(GATES)}")
+        raise ValueError(f"unknown gate names {_show(bad)}; gates are {', '.join(GATES)}")
     return {str(g): positive(to_float, 7 * 86400)(s) for g, s in v.items()}
 
 
@@ -93,7 +105,7 @@ SERVING_KEYS = {"command": to_str, "maxLatencySeconds": positive(to_float, 7 * 8
 
 def _serving(v: Any) -> dict[str, Any]:
     if not isinstance(v, dict):
-        raise ValueError(f"expected a mapping with {', '.join(SERVING_KEYS)}, got {v!r}")
+        raise ValueError(f"expected a mapping with {', '.join(SERVING_KEYS)}, got {_show(v)}")
     unknown = sorted(set(v) - set(SERVING_KEYS))
     if unknown:
         raise ValueError(f"unknown keys {', '.join(map(str, unknown))} (known: {', '.join(SERVING_KEYS)})")
@@ -145,9 +157,10 @@ class Profile:
         """Validates and converts every key; raises ProfileError naming the key."""
         if not isinstance(data, dict):
             raise ProfileError("the profile must be a mapping")
-        unknown = sorted(str(k) for k in set(data) - set(KEYS))
+        unknown = sorted(_show(k) for k in set(data) - set(KEYS))
         if unknown:
-            raise ProfileError(f"unknown profile keys: {', '.join(unknown)} (known: {', '.join(KEYS)})")
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise ProfileError(f"unknown profile keys: {', '.join(unknown[:5])}{more} (known: {', '.join(KEYS)})")
         values: dict[str, Any] = {}
         for key, raw in data.items():
             attr, conv = KEYS[key]
@@ -162,14 +175,15 @@ class Profile:
 
     @classmethod
     def load(cls, path: str) -> Profile:
+        """A regular file of at most PROFILE_LIMIT bytes, nested at most settings.MAX_NESTING levels (a FIFO, a
+        larger or a deeper document is refused before it is parsed); anything wrong is one ProfileError line."""
         try:
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read(PROFILE_LIMIT + 1)
+            text = read_text_file(path, PROFILE_LIMIT)
+            data = load_yaml(text)
         except OSError as e:
-            raise ProfileError(f"cannot read profile {path}: {e.strerror or e}") from e
-        if len(text) > PROFILE_LIMIT:
-            raise ProfileError(f"cannot read profile {path}: larger than {PROFILE_LIMIT} bytes")
-        try:
-            return cls.from_mapping(yaml.safe_load(text) or {})
+            raise ProfileError(f"cannot read profile {path}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise ProfileError(f"cannot read profile {path}: {e}") from None
         except yaml.YAMLError as e:
-            raise ProfileError(f"cannot read profile {path}: {str(e).splitlines()[0]}") from e
+            raise ProfileError(f"cannot read profile {path}: {(str(e).splitlines() or ['not YAML'])[0]}") from None
+        return cls.from_mapping(data or {})

@@ -5,8 +5,8 @@ credentials (its own process group, scrubbed environment; in the chart's Job a c
 from __future__ import annotations
 
 from agent.preflight.command import run_command_gate
-from agent.preflight.model import DEFAULT_TIMEOUTS, SKIP, GateResult
 from agent.preflight.profile import Profile
+from agent.preflight.result import DEFAULT_TIMEOUTS, SKIP, GateResult
 
 
 def serving_gate(profile: Profile) -> GateResult:

@@ -7,10 +7,10 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from agent.preflight.model import FAIL, PASS, GateResult
-from agent.preflight.process import run_command
 from agent.preflight.profile import Profile, version_matches
+from agent.preflight.result import FAIL, PASS, GateResult
 from agent.probes.nvidia_smi import parse_smi_table
+from agent.proc import run_command
 
 QUERY = (
     "index,pci.bus_id,name,memory.total,driver_version,mig.mode.current,pcie.link.gen.max,"

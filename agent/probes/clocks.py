@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, Severity
+from agent.probes.base import ProbeContext
+from agent.settings import DAY, Setting, in_range, optional, positive, share, to_bool, to_float, to_int
 
 HW_SLOWDOWN = 0x8
 HW_THERMAL_SLOWDOWN = 0x40
@@ -129,11 +131,6 @@ class ClockEventTracker:
                 )
         return out
 
-    def result(self, now: float) -> ProbeResult:
-        """findings(now) as a ProbeResult: `ran` is False when a GPU's reasons could not be read."""
-        findings = tuple(self.findings(now))
-        return ProbeResult(Check.CLOCKS, findings, ran=not any(f.severity is Severity.UNCHECKED for f in findings))
-
 
 def nvml_clock_sample(nv: Any, handle: Any) -> ClockSample:
     """Reads one ClockSample through nvidia-ml-py. NOT_SUPPORTED reasons: mask 0 (nothing to count);
@@ -154,3 +151,39 @@ def nvml_clock_sample(nv: Any, handle: Any) -> ClockSample:
             return ClockSample(0, margin)
         return ClockSample(None, margin, str(e))
     return ClockSample(mask, margin)
+
+
+class ClocksProbe:
+    """Hardware clock slowdowns over a window: one NVML sample per GPU and cycle (a hung NVML keeps the
+    history), judged on the share of slowed samples."""
+
+    check = Check.CLOCKS
+
+    def __init__(self, tracker: ClockEventTracker) -> None:
+        self.tracker = tracker
+
+    def read(self, context: ProbeContext) -> ProbeResult:
+        from agent.probes.nvml import NvmlSnapshot  # NVML's module imports this one
+
+        snap, now = context.payload(Check.NVML, NvmlSnapshot), context.now
+        if snap is not None:
+            gpus = [g for g in snap.gpus if g.address is not None]
+            for g in gpus:
+                if g.address is not None and g.clock is not None:
+                    self.tracker.observe(g.address, g.clock, now)
+            self.tracker.forget_except(g.address for g in gpus if g.address is not None)
+        return ProbeResult.of(Check.CLOCKS, self.tracker.findings(now))
+
+
+SETTINGS = (
+    Setting("clock_events", to_bool, True, "count hardware clock slowdowns over a window (NVML)"),
+    Setting("clock_window", positive(to_float, DAY), 600.0, "window for the clock-slowdown share, seconds"),
+    Setting("clock_max_slowed_share", share, 0.3, "share of slowed samples in the window that is degraded"),
+    Setting("clock_min_samples", in_range(to_int, 1, 100_000), 5, "fewer samples in the window: not judged"),
+    Setting(
+        "thermal_margin_min",
+        optional(in_range(to_float, -100, 200)),
+        None,
+        "thermal margin (C) at or below which a GPU is degraded (unset: off)",
+    ),
+)

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, Severity
+from agent.probes.base import ProbeContext
+from agent.settings import Setting, metrics_url, optional, positive, to_bool, to_float
 
 HEALTH = "DCGM_EXP_GPU_HEALTH_STATUS"
 XID = "DCGM_FI_DEV_XID_ERRORS"
@@ -226,7 +228,7 @@ def _unreachable(t: DcgmThresholds, why: str) -> Finding:
     return Finding.info(Check.DCGM, f"dcgm-exporter not used: {why}", kind="unavailable")
 
 
-def probe_dcgm(thresholds: DcgmThresholds, uuid_to_address: Mapping[str, PciAddress] | None = None) -> list[Finding]:
+def dcgm_findings(thresholds: DcgmThresholds, uuid_to_address: Mapping[str, PciAddress] | None = None) -> list[Finding]:
     """Off (no findings) unless an address is set."""
     if not thresholds.address:
         return []
@@ -237,7 +239,29 @@ def probe_dcgm(thresholds: DcgmThresholds, uuid_to_address: Mapping[str, PciAddr
     return findings_from_metrics(text, thresholds, uuid_to_address)
 
 
-def dcgm_result(thresholds: DcgmThresholds, uuid_to_address: Mapping[str, PciAddress] | None = None) -> ProbeResult:
-    """probe_dcgm as a ProbeResult: `ran` is False only when a required exporter could not be read."""
-    findings = tuple(probe_dcgm(thresholds, uuid_to_address))
-    return ProbeResult(Check.DCGM, findings, ran=not any(f.severity is Severity.UNCHECKED for f in findings))
+class DcgmProbe:
+    """The opt-in dcgm-exporter cross-check: its health series on this node's GPUs (matched by NVML's UUIDs)."""
+
+    check = Check.DCGM
+
+    def __init__(self, thresholds: DcgmThresholds) -> None:
+        self.thresholds = thresholds
+
+    def read(self, context: ProbeContext) -> ProbeResult:
+        from agent.probes.nvml import NvmlSnapshot
+
+        snap = context.payload(Check.NVML, NvmlSnapshot)
+        uuids = {g.uuid: g.address for g in (snap.gpus if snap else ()) if g.uuid and g.address is not None}
+        return ProbeResult.of(Check.DCGM, dcgm_findings(self.thresholds, uuids))
+
+
+SETTINGS = (
+    Setting(
+        "dcgm_exporter",
+        optional(metrics_url),
+        None,
+        "dcgm-exporter metrics address on this node (host:port or URL; unset: cross-check off)",
+    ),
+    Setting("dcgm_required", to_bool, False, "an unreachable dcgm-exporter is 'could not check' (else informational)"),
+    Setting("dcgm_timeout", positive(to_float, 600), 5.0, "timeout for one dcgm-exporter scrape, seconds"),
+)

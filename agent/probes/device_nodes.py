@@ -15,7 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, Severity
+from agent.model import Check, Finding, PciAddress, ProbeResult, Reason
+from agent.probes.base import ProbeContext
+from agent.probes.pci import PciScanKey
+from agent.settings import Setting, to_bool, to_str
 
 _GPU_NODE = re.compile(r"^nvidia(\d{1,3})$")
 _MINOR = re.compile(r"^Device Minor:\s*(\d{1,3})\s*$", re.MULTILINE)
@@ -57,7 +60,7 @@ def read_minor_numbers(proc_root: str, gpus: Sequence[PciAddress]) -> dict[PciAd
     return out
 
 
-def probe_device_nodes(
+def device_node_findings(
     thresholds: DeviceNodeThresholds = DeviceNodeThresholds(),
     *,
     minors: dict[PciAddress, int] | None = None,
@@ -143,13 +146,34 @@ def probe_device_nodes(
     return out
 
 
-def device_nodes_result(
-    thresholds: DeviceNodeThresholds = DeviceNodeThresholds(),
-    *,
-    minors: dict[PciAddress, int] | None = None,
-    gpu_count: int | None = None,
-    mig_enabled: bool = False,
-) -> ProbeResult:
-    """probe_device_nodes as a ProbeResult: `ran` is False when the dev root cannot be listed."""
-    findings = tuple(probe_device_nodes(thresholds, minors=minors, gpu_count=gpu_count, mig_enabled=mig_enabled))
-    return ProbeResult(Check.DEVICE_NODES, findings, ran=not any(f.severity is Severity.UNCHECKED for f in findings))
+class DeviceNodesProbe:
+    """The NVIDIA device nodes of the GPUs PCI found this cycle. The driver's minor number of each GPU is read
+    again only when the PCI scan's key changed (a GPU added, removed or rebound) or the last read missed a GPU
+    (the driver was still loading)."""
+
+    check = Check.DEVICE_NODES
+
+    def __init__(self, thresholds: DeviceNodeThresholds, proc_root: str = "/proc") -> None:
+        self.thresholds, self.proc_root = thresholds, proc_root
+        self._minors: tuple[object, dict[PciAddress, int]] = ((), {})
+
+    def read(self, context: ProbeContext) -> ProbeResult:
+        pci, scan = context.ran(Check.PCI), context.payload(Check.PCI, PciScanKey)
+        on_pci = sorted(pci.addresses) if pci is not None else []
+        if not on_pci:
+            return ProbeResult(Check.DEVICE_NODES)
+        key, minors = self._minors
+        if scan is None or key != scan.key or len(minors) < len(on_pci):
+            minors = read_minor_numbers(self.proc_root, on_pci)
+            self._minors = (scan.key if scan is not None else (), minors)
+        mig = any(g.mig_enabled for r in context.results.values() for g in r.gpus)
+        findings = device_node_findings(self.thresholds, minors=minors, gpu_count=len(on_pci), mig_enabled=mig)
+        return ProbeResult.of(Check.DEVICE_NODES, findings)
+
+
+SETTINGS = (
+    Setting("device_nodes", to_bool, True, "check the NVIDIA device nodes (nvidiactl, nvidia-uvm, nvidia<N>)"),
+    Setting("dev_root", to_str, "/dev", "where the device nodes are (/run/nvidia/driver/dev: driver container)"),
+    Setting("require_uvm", to_bool, True, "/dev/nvidia-uvm is required (every CUDA program needs it)"),
+    Setting("proc_root", to_str, "/proc", "procfs to read GPU minor numbers from (driver/nvidia/gpus/<bdf>)"),
+)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.model import Check, Finding, ProbeResult, Reason
+from agent.model import Check, Finding, GpuIdentity, ProbeResult, Reason
+from agent.settings import DAY, Setting, choice, in_range, non_negative, optional, to_float, to_int
 
 GPU = "nvidia.com/gpu"
 GPU_SHARED = "nvidia.com/gpu.shared"
@@ -20,7 +22,7 @@ REPLICAS_LABEL_SUFFIX = ".replicas"
 
 
 @dataclass
-class MigLayout:
+class MigCounts:
     """MIG state of the node's GPUs, from nvidia-smi's MIG section or NVML."""
 
     mig_enabled_gpus: int = 0  # GPUs with MIG mode enabled
@@ -105,7 +107,7 @@ def _gpu_resources(status: dict[str, Any], key: str) -> dict[str, int]:
 
 
 def plugin_counts(
-    node: Any, mig: MigLayout | None, strategy: str = "auto", replicas: int | None = None
+    node: Any, mig: MigCounts | None, strategy: str = "auto", replicas: int | None = None
 ) -> PluginCounts:
     """Counts from any JSON value: a value that is not a Node comes back with `malformed` set, never raises."""
     try:
@@ -114,7 +116,7 @@ def plugin_counts(
         return PluginCounts(strategy, malformed=str(e))
 
 
-def _plugin_counts(node: Any, mig: MigLayout | None, strategy: str, replicas: int | None) -> PluginCounts:
+def _plugin_counts(node: Any, mig: MigCounts | None, strategy: str, replicas: int | None) -> PluginCounts:
     if not isinstance(node, dict):
         raise MalformedNode(f"the Node is {_kind(node)}, not an object")
     status = _object(node, "status", "status")
@@ -229,7 +231,7 @@ def plugin_findings(pc: PluginCounts, grace_over: bool, grace_left_s: float) -> 
 def probe_device_plugin(
     node: dict[str, Any] | None,
     node_error: str | None,
-    mig: MigLayout | None,
+    mig: MigCounts | None,
     strategy: str = "auto",
     replicas: int | None = None,
     grace_left_s: float = 0.0,
@@ -245,3 +247,39 @@ def probe_device_plugin(
     physical = pc.physical if pc.total_capacity else None
     counts = {"plugin_capacity": pc.total_capacity, "plugin_allocatable": pc.total_allocatable}
     return ProbeResult(Check.DEVICE_PLUGIN, findings, count=physical, counts=counts, ran=pc.malformed is None)
+
+
+def mig_counts(gpus: Sequence[GpuIdentity]) -> MigCounts | None:
+    """MIG state over the GPUs of one source; None when the source listed none."""
+    if not gpus:
+        return None
+    counts = MigCounts()
+    for g in gpus:
+        enabled = bool(g.mig_enabled)
+        counts.mig_enabled_gpus += enabled
+        counts.full_gpus += not enabled
+        counts.gpus_with_mig_devices += g.mig_devices > 0
+        counts.mig_devices += g.mig_devices
+    return counts
+
+
+SETTINGS = (
+    Setting(
+        "mig_strategy",
+        choice("auto", "none", "single", "mixed"),
+        "auto",
+        "device plugin MIG strategy (auto: from the nvidia.com/mig.strategy label)",
+    ),
+    Setting(
+        "replicas",
+        optional(in_range(to_int, 1, 1_000_000)),
+        None,
+        "time-slicing/MPS replicas (default: the nvidia.com/gpu.replicas label, else 1)",
+    ),
+    Setting(
+        "plugin_grace",
+        non_negative(to_float, DAY),
+        300.0,
+        "seconds after start before a missing device-plugin resource is a fault",
+    ),
+)

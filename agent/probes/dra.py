@@ -26,12 +26,14 @@ served from the apiserver's watch cache)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agent.kube import ApiError, KubeApi
+from agent.kube.client import ApiError, KubeApi
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason
-from agent.probes.device_plugin import MigLayout, plugin_counts, probe_device_plugin
+from agent.probes.base import ProbeContext, Shared
+from agent.probes.device_plugin import MigCounts, mig_counts, plugin_counts, probe_device_plugin
+from agent.settings import Setting, dns_subdomain, to_bool
 
 DEFAULT_DRIVER = "gpu.nvidia.com"
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
@@ -352,7 +354,7 @@ def probe_gpu_serving(
     node: dict[str, Any] | None,
     node_error: str | None,
     slices: SliceRead | None,
-    mig: MigLayout | None,
+    mig: MigCounts | None,
     strategy: str = "auto",
     replicas: int | None = None,
     grace_left_s: float = 0.0,
@@ -388,3 +390,81 @@ def probe_gpu_serving(
         "dra_unreadable",
     )
     return ProbeResult(Check.DEVICE_PLUGIN, (why,), ran=False, counts=plugin.counts)
+
+
+DRA_EMPTY_RELIST_S = 300.0  # a node without ResourceSlices lists them again after this long (a new DRA driver)
+
+
+class GpuServingProbe:
+    """What serves the GPUs to pods: the device plugin's resources on the Node, deferring to the node's DRA
+    ResourceSlices where they exist. The slices come from the runner's watch (kube/slice_cache.py, no request)
+    while it is kept; else a LIST from the apiserver's watch cache: every poll on a node that has slices, every
+    DRA_EMPTY_RELIST_S on a node whose last LIST found none (most nodes: no DRA driver), so a plain device-plugin
+    node costs the API 12 LISTs an hour, not 120. The payload is the parsed slices (DraInventory; None when not
+    read), for fencing and the allocation map."""
+
+    check = Check.DEVICE_PLUGIN
+
+    def __init__(
+        self,
+        shared: Shared,
+        *,
+        node_name: str | None,
+        dra_counting: bool,
+        wants_slices: bool,
+        driver: str,
+        strategy: str,
+        replicas: int | None,
+        grace_s: float,
+    ) -> None:
+        self.shared, self.node_name = shared, node_name
+        self.dra_counting, self.wants_slices, self.driver = dra_counting, wants_slices, driver
+        self.strategy, self.replicas, self.grace_s = strategy, replicas, grace_s
+        self._slices: SliceRead | None = None  # the last LIST, and when
+        self._slices_at = 0.0
+
+    def read(self, context: ProbeContext) -> ProbeResult:
+        if not context.node_asked:
+            return ProbeResult(Check.DEVICE_PLUGIN)
+        node = dict(context.node) if context.node is not None else None
+        nvml, smi = context.results.get(Check.NVML), context.results.get(Check.NVIDIA_SMI)
+        mig = mig_counts(nvml.gpus if nvml else ()) or mig_counts(smi.gpus if smi else ())
+        slices = self._slices_for(node, context.now)
+        inventory = node_inventory(slices, self.driver)
+        grace = 0.0 if context.one_shot else self.grace_s
+        pci = context.ran(Check.PCI)
+        r = probe_gpu_serving(
+            node,
+            context.node_error,
+            slices if self.dra_counting else None,
+            mig,
+            self.strategy,
+            self.replicas,
+            grace - (context.now - self.shared.started),
+            pci=pci.addresses if pci is not None else None,
+            driver=self.driver,
+            inventory=inventory,
+        )
+        dra = "dra_gpus" in r.counts  # the DRA driver's count: not "the device plugin serves N"
+        counts = {**r.counts, "plugin_physical": None if dra else r.count, "dra": r.count if dra else None}
+        return replace(r, counts=counts, payload=inventory)
+
+    def _slices_for(self, node: dict[str, Any] | None, now: float) -> SliceRead | None:
+        name = self.node_name or ((node or {}).get("metadata") or {}).get("name")
+        api = self.shared.api
+        if not self.wants_slices or api is None or node is None or not isinstance(name, str):
+            return None
+        cached = self.shared.slice_cache.items() if self.shared.slice_cache is not None else None
+        if cached is not None:
+            return cached  # the runner's watch: no request
+        last = self._slices
+        if last is not None and last.ok and not last.items and now - self._slices_at < DRA_EMPTY_RELIST_S:
+            return last  # no DRA driver on this node a moment ago
+        self._slices, self._slices_at = read_node_slices(api, name, self.driver), now
+        return self._slices
+
+
+SETTINGS = (
+    Setting("dra_counting", to_bool, True, "count GPUs from the node's DRA ResourceSlices where they exist"),
+    Setting("dra_driver", dns_subdomain, "gpu.nvidia.com", "DRA driver whose devices are counted and fenced"),
+)

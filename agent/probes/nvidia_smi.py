@@ -13,10 +13,12 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult, Reason, Severity
+from agent.probes.base import ProbeContext
+from agent.settings import Setting, positive, to_float, to_str
 
 # Every pattern here runs on one line cut to MAX_LINE characters, and none has two unbounded quantifiers
 # that can match the same text, so parsing is linear in the input (issue 12 item 10).
@@ -788,3 +790,22 @@ def probe_nvidia_smi(runner: NvidiaSmiRunner) -> ProbeResult:
         for g in table.gpus
     )
     return ProbeResult(Check.NVIDIA_SMI, findings, gpus, len(gpus))
+
+
+class NvidiaSmiProbe:
+    """nvidia-smi's table, one run per cycle: the GPUs it lists are an inventory the verdict compares with PCI's."""
+
+    check = Check.NVIDIA_SMI
+
+    def __init__(self, runner: NvidiaSmiRunner) -> None:
+        self.runner = runner
+
+    def read(self, context: ProbeContext) -> ProbeResult:
+        r = probe_nvidia_smi(self.runner)
+        return replace(r, counts={"nvidia_smi": r.count}, inventory=True)
+
+
+SETTINGS = (
+    Setting("nvidia_smi", to_str, "nvidia-smi", "path of nvidia-smi"),
+    Setting("nvidia_smi_timeout", positive(to_float, 3600), 30.0, "hard timeout for one nvidia-smi run, seconds"),
+)

@@ -16,9 +16,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult, Reason, Severity
+from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult, Reason
+from agent.probes.base import ProbeContext
 from agent.probes.clocks import ClockSample, nvml_clock_sample
 from agent.probes.pcie import GpuLoad, nvml_pcie_load
+from agent.settings import Setting, choice, positive, to_bool, to_float
 
 FI_DEV_GET_GPU_RECOVERY_ACTION = 230
 RECOVERY_ACTIONS = {
@@ -61,7 +63,7 @@ class NvmlSnapshot:
 
 
 class NvmlProbe:
-    """mode: "auto" (use when the library loads, skip otherwise), "on" (required), "off"."""
+    """The NVML probe. mode: "auto" (use when the library loads, skip otherwise), "on" (required), "off"."""
 
     def __init__(
         self,
@@ -106,7 +108,21 @@ class NvmlProbe:
                 f"{getattr(fn, '__name__', 'NVML call')} did not return within {self.deadline_s:g}s"
             ) from None
 
-    def probe(self) -> tuple[list[Finding], NvmlSnapshot | None]:
+    check = Check.NVML
+
+    def read(self, context: ProbeContext) -> ProbeResult:
+        """The NVML checks. NVML off or absent (mode auto) is not a failure: `ran` stays True with no GPUs and no
+        count. The payload is the snapshot (per-GPU readings for the degradation probes and the allocation map),
+        None when NVML was not read (off, absent, failed or hung)."""
+        findings, snap = self.sample()
+        gpus = tuple(
+            GpuIdentity(g.address, g.index, g.name, g.mig_enabled, g.mig_devices)
+            for g in (snap.gpus if snap is not None else ())
+            if g.address is not None
+        )
+        return ProbeResult.of(Check.NVML, findings, gpus=gpus, count=len(snap.gpus) if snap else None, payload=snap)
+
+    def sample(self) -> tuple[list[Finding], NvmlSnapshot | None]:
         if self.mode == "off":
             return [], None
         with self._lock:
@@ -283,20 +299,8 @@ def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def probe_nvml(nvml: NvmlProbe) -> ProbeResult:
-    """The NVML checks as a ProbeResult. NVML off or absent (mode auto) is not a failure: `ran` stays True
-    with no GPUs and no count."""
-    return read_nvml(nvml)[0]
-
-
-def read_nvml(nvml: NvmlProbe) -> tuple[ProbeResult, NvmlSnapshot | None]:
-    """probe_nvml plus the snapshot (per-GPU readings for the degradation probes); None when NVML was not
-    read (off, absent, failed or hung)."""
-    findings, snap = nvml.probe()
-    ran = not any(f.severity is Severity.UNCHECKED for f in findings)
-    gpus = tuple(
-        GpuIdentity(g.address, g.index, g.name, g.mig_enabled, g.mig_devices)
-        for g in (snap.gpus if snap is not None else ())
-        if g.address is not None
-    )
-    return ProbeResult(Check.NVML, tuple(findings), gpus, len(snap.gpus) if snap else None, ran), snap
+SETTINGS = (
+    Setting("nvml", choice("auto", "on", "off"), "auto", "NVML checks: auto = when libnvidia-ml loads"),
+    Setting("nvml_timeout", positive(to_float, 3600), 10.0, "deadline for one NVML call, seconds"),
+    Setting("nvml_nvlink", to_bool, True, "report NVLink links down (NVML)"),
+)

@@ -5,9 +5,11 @@ NVSwitch functions are NVIDIA functions but not GPUs."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult
+from agent.probes.base import ProbeContext
+from agent.settings import Setting, to_str
 
 NVIDIA_VENDOR = 0x10DE
 GPU_CLASSES = (0x0300, 0x0302)
@@ -119,3 +121,29 @@ def probe_pci(sysfs_root: str = "/sys", scanner: PciScanner | None = None) -> Pr
     unbound = [g for g in gpus if g.driver is None]
     findings = tuple(Finding.info(Check.PCI, "GPU has no driver bound", g.address, kind="no_driver") for g in unbound)
     return ProbeResult(Check.PCI, findings, tuple(GpuIdentity(g.address) for g in gpus), len(gpus))
+
+
+class PciProbe:
+    """The GPUs on the PCI bus, one scan per cycle (PciScanner keeps what never changes). The GPUs are an
+    inventory the verdict compares with nvidia-smi's; the payload is the scan's key, for the caches built on it
+    (PCIe link paths, device minors)."""
+
+    check = Check.PCI
+
+    def __init__(self, sysfs_root: str = "/sys") -> None:
+        self.sysfs_root = sysfs_root
+        self.scanner = PciScanner(sysfs_root)
+
+    def read(self, context: ProbeContext) -> ProbeResult:
+        r = probe_pci(self.sysfs_root, self.scanner)
+        return replace(r, counts={"pci": r.count}, inventory=True, payload=PciScanKey(self.scanner.key))
+
+
+@dataclass(frozen=True)
+class PciScanKey:
+    """What the last scan saw (functions, inodes, drivers): it changes when anything the scan saw changed."""
+
+    key: tuple[tuple[str, int, str | None], ...]
+
+
+SETTINGS = (Setting("sysfs_root", to_str, "/sys", "sysfs mount to count PCI GPUs in"),)

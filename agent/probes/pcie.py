@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, Severity
+from agent.probes.base import ProbeContext
+from agent.probes.pci import PciScanKey
+from agent.settings import Setting, in_range, to_bool, to_int
 
 _BDF = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 _SPEED = re.compile(r"^\s*(\d{1,3}(?:\.\d{1,3})?)\s*GT/s")
@@ -184,7 +187,7 @@ def _partner_max(values: Sequence[float | int | None]) -> float | None:
     return min(known) if known else None
 
 
-def probe_pcie(
+def pcie_findings(
     sysfs_root: str,
     gpus: Sequence[PciAddress],
     thresholds: PcieThresholds = PcieThresholds(),
@@ -201,18 +204,6 @@ def probe_pcie(
     for gpu in gpus:
         findings += _probe_gpu(sysfs_root, gpu, thresholds, (load or {}).get(gpu), seen, cache)
     return findings
-
-
-def pcie_result(
-    sysfs_root: str,
-    gpus: Sequence[PciAddress],
-    thresholds: PcieThresholds = PcieThresholds(),
-    load: Mapping[PciAddress, GpuLoad] | None = None,
-    cache: LinkCache | None = None,
-) -> ProbeResult:
-    """probe_pcie as a ProbeResult: `ran` is False when a link could not be read."""
-    findings = tuple(probe_pcie(sysfs_root, gpus, thresholds, load, cache))
-    return ProbeResult(Check.PCIE, findings, ran=not any(f.severity is Severity.UNCHECKED for f in findings))
 
 
 def _read_link_once(
@@ -350,3 +341,36 @@ def nvml_pcie_load(nv: Any, handle: Any) -> GpuLoad:
         current_width=get("nvmlDeviceGetCurrPcieLinkWidth"),
         max_width=get("nvmlDeviceGetMaxPcieLinkWidth"),
     )
+
+
+class PcieProbe:
+    """The PCIe links of the GPUs PCI found this cycle (and the bridges above them); speed judged with NVML's
+    load. Link paths and maxima are kept while the PCI scan's key stays (LinkCache)."""
+
+    check = Check.PCIE
+
+    def __init__(self, sysfs_root: str, thresholds: PcieThresholds) -> None:
+        self.sysfs_root, self.thresholds = sysfs_root, thresholds
+        self.cache = LinkCache()
+
+    def read(self, context: ProbeContext) -> ProbeResult:
+        from agent.probes.nvml import NvmlSnapshot  # NVML's module imports this one
+
+        pci, scan = context.ran(Check.PCI), context.payload(Check.PCI, PciScanKey)
+        on_pci = sorted(pci.addresses) if pci is not None else []
+        if not on_pci:
+            return ProbeResult(Check.PCIE)
+        snap = context.payload(Check.NVML, NvmlSnapshot)
+        load = {g.address: g.load for g in (snap.gpus if snap else ()) if g.address is not None and g.load is not None}
+        self.cache.refresh(scan.key if scan is not None else None)
+        return ProbeResult.of(Check.PCIE, pcie_findings(self.sysfs_root, on_pci, self.thresholds, load, self.cache))
+
+
+SETTINGS = (
+    Setting("pcie", to_bool, True, "judge PCIe links from sysfs (width below what both ends can do: GPUDegraded)"),
+    Setting("pcie_bridges", to_bool, True, "also judge the PCIe links above each GPU (switch and root ports)"),
+    Setting("pcie_speed", to_bool, True, "judge PCIe link speed too (only while NVML says the GPU is busy)"),
+    Setting(
+        "pcie_busy_utilization", in_range(to_int, 0, 100), 50, "NVML GPU utilisation % at which PCIe speed is judged"
+    ),
+)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.allocation import (
+    AllocationMap,
     ClaimDevice,
     ContainerAllocation,
     DraRef,
@@ -33,8 +34,10 @@ from agent.allocation import (
     PodRef,
     ResourceDevices,
 )
-from agent.model import Check, Finding, PciAddress
-from agent.probes.grpc_unix import GrpcError, unary_call
+from agent.kube.grpc_unix import GrpcError, unary_call
+from agent.model import Check, Finding, PciAddress, ProbeResult
+from agent.probes.base import ProbeContext, Shared
+from agent.settings import DAY, Setting, absolute_path, positive, to_bool, to_float
 
 DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 LIST = "/v1.PodResourcesLister/List"
@@ -223,3 +226,71 @@ def parse_smi_list(text: str, buses: Mapping[int, PciAddress]) -> tuple[Inventor
             g = gpus[-1]
             gpus[-1] = InventoryGpu(g.uuid, g.gpu, g.index, (*g.mig, MigInstance(m[2], int(m[1]))))
     return tuple(gpus)
+
+
+SMI_LIST_REFRESH_S = 300.0  # `nvidia-smi -L` again at most this often while device IDs stay unplaced
+
+
+class AllocationProbe:
+    """kubelet's pod-resources: which pods hold which GPU (the allocation map, agent/allocation.py), one read at
+    most every podResourcesInterval. Its findings are INFO only: an unreadable socket gives no map and never
+    changes readiness. The payload is the map (None when unreadable)."""
+
+    check = Check.POD_RESOURCES
+
+    def __init__(self, reader: PodResourcesReader, shared: Shared) -> None:
+        self.reader, self.shared = reader, shared
+        self.allocation: AllocationMap | None = None
+        self._smi_list: tuple[InventoryGpu, ...] = ()  # `nvidia-smi -L` GPUs (when NVML gives no UUIDs)
+        self._smi_list_key: tuple[tuple[int, PciAddress], ...] = ()
+        self._smi_list_at = 0.0
+
+    def read(self, context: ProbeContext) -> ProbeResult:
+        from agent.allocation import build_map
+        from agent.probes.dra import DraInventory
+        from agent.probes.nvml import NvmlSnapshot
+
+        read, findings = self.reader.read()
+        if read is None:
+            self.allocation = None
+            return ProbeResult(Check.POD_RESOURCES, findings)
+        snap = context.payload(Check.NVML, NvmlSnapshot)
+        inventory = context.payload(Check.DEVICE_PLUGIN, DraInventory)
+        dra = dra_refs(inventory.devices) if inventory is not None else ()
+        smi = context.results.get(Check.NVIDIA_SMI)
+        gpus = gpu_inventory(
+            snap.gpus if snap is not None else (), self._smi_inventory(snap, smi, context.now), dra=dra
+        )
+        self.allocation = build_map(read.listed, read.allocatable, gpus)
+        return ProbeResult(Check.POD_RESOURCES, findings, payload=self.allocation)
+
+    def _smi_inventory(self, snap: Any, smi: ProbeResult | None, now: float) -> tuple[InventoryGpu, ...]:
+        """The GPUs with their UUIDs from `nvidia-smi -L` when NVML gave none (NVML off or not loadable), joined
+        by index to the bus ids of this poll's nvidia-smi table. UUIDs do not change while the GPUs stay, so `-L`
+        runs again only when nvidia-smi's GPUs change, or at most every SMI_LIST_REFRESH_S while the map has
+        device IDs it cannot place (a MIG layout was changed)."""
+        if (snap is not None and any(getattr(g, "uuid", None) for g in snap.gpus)) or smi is None or not smi.ran:
+            return ()
+        key = tuple(sorted((g.index, g.address) for g in smi.gpus if g.index is not None))
+        if not key:
+            return ()
+        unplaced = self.allocation is not None and bool(self.allocation.unmapped)
+        if key != self._smi_list_key or (unplaced and now - self._smi_list_at >= SMI_LIST_REFRESH_S):
+            run = self.shared.smi.run(("-L",))
+            self._smi_list_key, self._smi_list_at = key, now
+            ok = run.exit_code == 0 and not run.output_capped
+            self._smi_list = parse_smi_list(run.output, dict(key)) if ok else ()
+        return self._smi_list
+
+
+SETTINGS = (
+    Setting("pod_resources", to_bool, False, "read kubelet's pod-resources API each poll: which pods hold which GPU"),
+    Setting(
+        "pod_resources_socket",
+        absolute_path,
+        DEFAULT_SOCKET,
+        "kubelet's pod-resources socket (mount its directory: kubelet re-creates the socket)",
+    ),
+    Setting("pod_resources_interval", positive(to_float, DAY), 1.0, "read pod-resources at most this often, seconds"),
+    Setting("pod_resources_timeout", positive(to_float, 600), 5.0, "timeout for one pod-resources call, seconds"),
+)

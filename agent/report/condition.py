@@ -11,7 +11,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.kube import KubeApi
+from agent.kube.client import KubeApi
 from agent.model import Verdict
 
 CONDITION_TYPE = "GPUReady"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from agent.kube import ApiError, KubeApi
+from agent.kube.client import ApiError, KubeApi
 from agent.logs import get_logger
 
 CONTROLLER = "gpu-ready"

@@ -5,6 +5,7 @@ metrics join on it in PromQL."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -18,9 +19,8 @@ from prometheus_client import (
 )
 
 from agent import __version__
-from agent.model import Check, PciAddress, Reason, Status, Verdict, XidEvent
-from agent.report.allocation import AllocationMetrics
-from agent.report.taints import TaintMetrics
+from agent.model import TAINT_EFFECTS, Check, PciAddress, Reason, Status, Verdict, XidEvent
+from agent.report.blast_radius import AllocationMetrics
 
 disable_created_metrics()  # *_created series double the series count and nothing here uses them
 
@@ -32,6 +32,39 @@ def bus_id_label(raw: str) -> str:
     nvidia-smi, NVML or sysfs prints; an unparseable address is kept (bounded) as printed."""
     addr = PciAddress.parse(raw[:32])
     return addr.nvml if addr is not None else raw[:20]
+
+
+class TaintMetrics:
+    """`gpu_ready_taint{effect}`: 1 while the Node carries gpu-ready's taint with that effect, 0 when it
+    does not (as last read or written; absent until the first Node read). `gpu_ready_taint_changes_total
+    {change, effect}`: taint entries added and removed by this agent."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.taint = Gauge(
+            "gpu_ready_taint",
+            "1 while the Node carries gpu-ready's taint with this effect, 0 when not",
+            ["effect"],
+            registry=registry,
+        )
+        self.changes = Counter(
+            "gpu_ready_taint_changes",
+            "gpu-ready taint entries added or removed by this agent",
+            ["change", "effect"],
+            registry=registry,
+        )
+
+    def observe(self, ours: Iterable[str]) -> None:
+        """`ours`: the effects of gpu-ready's entries now on the Node (own_effects)."""
+        for effect in TAINT_EFFECTS:
+            self.taint.labels(effect).set(1 if effect in ours else 0)
+
+    def changed(self, plan: Any) -> None:
+        """`plan`: an act.taints.TaintPlan (the entries added and removed)."""
+        for effect in plan.add:
+            self.changes.labels("added", effect).inc()
+        for effect in plan.remove:
+            if effect in TAINT_EFFECTS:
+                self.changes.labels("removed", effect).inc()
 
 
 class Metrics:
@@ -138,6 +171,16 @@ class Metrics:
 
     def api_request(self, verb: str, code: int) -> None:
         self.api_requests.labels(verb, str(code)).inc()
+
+    def observe_cycle(self, stats: Any, allocation: Any, *, enabled: bool) -> None:
+        """One check cycle's figures: durations and failures by check, timeouts, the allocation map."""
+        for check, seconds in stats.durations.items():
+            self.observe_check(check, seconds)
+        for check in stats.failed:
+            self.check_failures.labels(check).inc()
+        if "nvidia_smi" in stats.timed_out:
+            self.smi_timeouts.inc()
+        self.allocation.publish(allocation, enabled=enabled, read_seconds=stats.durations.get("pod_resources"))
 
     def publish(self, v: Verdict, latched: int) -> None:
         shown = (v.status.value, v.reason.value)

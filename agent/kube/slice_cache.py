@@ -30,21 +30,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.kube import MAX_WATCH_LINE, ApiError, KubeApi
-from agent.logs import get_logger
-from agent.node_cache import (
-    BACKOFF_BASE_S,
-    BACKOFF_CAP_S,
+from agent.kube.backoff import BACKOFF_BASE_S, BACKOFF_CAP_S, backoff_delay, error_kind
+from agent.kube.client import MAX_WATCH_LINE, ApiError, KubeApi
+from agent.kube.watch import (
     FORBIDDEN_BACKOFF_CAP_S,
     WATCH_TIMEOUT_S,
     Gone,
     WatchStats,
     WatchThread,
-    backoff_delay,
     check_event,
-    error_kind,
     rv_of,
 )
+from agent.logs import get_logger
 from agent.probes.dra import DEFAULT_DRIVER, MAX_SLICES, SLICES_PATH, SliceRead
 
 INITIAL_EVENTS_END = "k8s.io/initial-events-end"

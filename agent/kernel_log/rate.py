@@ -19,6 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, XidEvent
+from agent.probes.base import ProbeContext
+from agent.settings import DAY, Setting, in_range, positive, to_bool, to_float, to_int, to_int_list
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,23 @@ class XidRateTracker:
                     )
         return out
 
-    def result(self, now: float) -> ProbeResult:
-        """findings(now) as a ProbeResult (the kernel log's own failure is the xid check's finding)."""
-        return ProbeResult(Check.XID_RATE, tuple(self.findings(now)))
+
+class XidRateProbe:
+    """The Xid rate as a probe: the watcher feeds the tracker; each cycle reads its findings at the cycle's time
+    (the kernel log's own failure is the kernel-log probe's finding)."""
+
+    check = Check.XID_RATE
+
+    def __init__(self, tracker: XidRateTracker) -> None:
+        self.tracker = tracker
+
+    def read(self, context: ProbeContext) -> ProbeResult:
+        return ProbeResult(Check.XID_RATE, tuple(self.tracker.findings(context.now)))
+
+
+SETTINGS = (
+    Setting("xid_rate", to_bool, True, "count repeated non-fatal Xids per GPU"),
+    Setting("xid_rate_count", in_range(to_int, 1, 100_000), 3, "this many of the same non-fatal Xid on one GPU ..."),
+    Setting("xid_rate_window", positive(to_float, DAY), 600.0, "... within this many seconds: GPUDegraded"),
+    Setting("xid_rate_ignore", to_int_list, (45,), "Xids the rate never counts (comma list)"),
+)

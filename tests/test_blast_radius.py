@@ -1,4 +1,4 @@
-"""Publishing the allocation map (agent/report/allocation.py): metrics, the blast radius (which pods get an Event,
+"""Publishing the allocation map (agent/report/blast_radius.py): metrics, the blast radius (which pods get an Event,
 once per transition), the condition's pod count, the `gpu-ready gpus` table; and the Pod Events themselves on the
 real apiserver (in the pod's namespace, regarding the Pod with its UID read by one GET)."""
 
@@ -20,9 +20,9 @@ from agent.allocation import (
     build_map,
     inventory_from,
 )
-from agent.kube import KubeApi
+from agent.kube.client import KubeApi
 from agent.model import Counts, GpuStatus, PciAddress, Reason, Status, Verdict
-from agent.report.allocation import (
+from agent.report.blast_radius import (
     EVENT_REASON,
     HEADER,
     AllocationMetrics,
@@ -336,9 +336,11 @@ def test_agent_blast_radius_end_to_end(agent_factory, admin, simhost):
     exports gpu_ready_gpu_pods for the GPU."""
     import urllib.request
 
+    pytest.importorskip("grpc")  # dev extra: the pod-resources stand-in's server
+    from agent.proto import podresources_v1_pb2 as pb
     from testkit.cluster import AGENT_RULES
-    from tests.test_gpus_cli import pod as grpc_pod
-    from tests.test_grpc_unix import pb, serve_pod_resources
+    from testkit.podresources import pod as grpc_pod
+    from testkit.podresources import serve_pod_resources
 
     ns, p = _train_pod(admin)
     gpus = simhost.gpu_uuids()

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from agent.allocation import AllocationMap, GpuAllocation, PodRef
-from agent.kube import ApiError, KubeApi
+from agent.kube.client import ApiError, KubeApi
 from agent.model import GpuStatus, PciAddress, Status, Verdict
 
 EVENT_REASON = "GPUUnhealthy"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.kube import KubeApi
+from agent.kube.client import KubeApi
 from testkit.controlplane import REPO
 from testkit.controlplane import testbin_dir as find_testbin
 from testkit.node import (
@@ -26,8 +26,7 @@ from testkit.node import (
     kubelet_binary,
     missing_tools,
 )
-
-IN_CI = os.environ.get("CI") == "true"
+from testkit.testbin import IN_CI
 
 
 def skip_or_fail(msg: str) -> None:

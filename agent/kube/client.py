@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import quote
@@ -472,35 +470,3 @@ class WatchStream:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class ApiHealth:
-    """Per request ("get node", "write status"): ok or why not, logged once per change; jittered
-    exponential backoff for the condition write (reads are simply retried on the next poll)."""
-
-    def __init__(self, log: Any, cap_s: float) -> None:
-        self.log, self.cap_s = log, cap_s
-        self.states: dict[str, str] = {}
-        self.failures = 0
-        self.retry_at = 0.0  # monotonic; no condition write before
-
-    def ok(self, what: str) -> None:
-        prev = self.states.get(what, "ok")
-        if prev != "ok":
-            self.log.info("API request succeeds again", request=what, previous=prev)
-        self.states[what] = "ok"
-        if what == "write status":
-            self.failures, self.retry_at = 0, 0.0
-
-    def failed(self, e: ApiError, what: str) -> None:
-        state = {0: "unreachable", 401: "unauthorized", 403: "forbidden", 429: "throttled"}.get(
-            e.status, f"http_{e.status}"
-        )
-        if state != self.states.get(what, "ok"):
-            level = self.log.error if state in ("forbidden", "unauthorized") else self.log.warning
-            level("API request failed; retrying with backoff", request=what, state=state, error=str(e)[:300])
-            self.states[what] = state
-        if what == "write status":
-            self.failures += 1
-            delay = min(self.cap_s, 0.5 * 2 ** min(self.failures - 1, 10)) * random.uniform(0.8, 1.2)
-            self.retry_at = time.monotonic() + min(delay, self.cap_s)

@@ -33,9 +33,10 @@ from urllib.parse import quote
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from agent.kube import ApiError, KubeApi
+from agent.kube.client import ApiError, KubeApi
 from agent.model import Check, PciAddress, Reason, Status, Verdict
 from agent.probes.dra import DEFAULT_DRIVER, DraGpu, DraInventory, match_gpus
+from agent.settings import DAY, Setting, choice_exact, in_range, positive, to_bool, to_float, to_int
 
 TAINT_KEY = "gpu-ready.io/unhealthy"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
@@ -712,3 +713,16 @@ class FenceWorker:
             self._notes = result.plan.notes
         self._said_unsupported = self._said_unsupported or bool(result.unsupported)
         self._errors = errors
+
+
+SETTINGS = (
+    Setting("fencing", to_bool, False, "one DeviceTaintRule per device of a faulty GPU (DRA nodes; docs/fencing.md)"),
+    Setting(
+        "fencing_effect",
+        choice_exact("None", "NoSchedule", "NoExecute"),
+        "None",
+        "effect of the DeviceTaintRules: None (dry run), NoSchedule or NoExecute (evicts pods)",
+    ),
+    Setting("fencing_max_rules", in_range(to_int, 1, 1024), 128, "DeviceTaintRules per node at most"),
+    Setting("fencing_resync", positive(to_float, DAY), 300.0, "re-list the DeviceTaintRules this often, seconds"),
+)

@@ -28,23 +28,23 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-
-from agent.kube import ApiError, KubeApi
-from agent.model import Status, Verdict
+from agent.kube.client import ApiError, KubeApi
+from agent.model import TAINT_EFFECTS, Status, Verdict
+from agent.report.metrics import TaintMetrics
+from agent.settings import Setting, choice, qualified_name, to_bool
 
 TAINT_KEY = "gpu-ready.io/gpu-not-ready"
 NO_SCHEDULE = "NoSchedule"
 PREFER_NO_SCHEDULE = "PreferNoSchedule"
 NO_EXECUTE = "NoExecute"
-EFFECTS = (NO_SCHEDULE, PREFER_NO_SCHEDULE, NO_EXECUTE)  # the API accepts no others: a bounded label set
+EFFECTS = TAINT_EFFECTS
 JSON_PATCH = "application/json-patch+json"
 MAX_TAINTS = 1000  # bounds the work on a malformed Node; the API itself keeps the list far shorter
 _NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -173,38 +173,6 @@ def taint_patch(raw_taints: Any, new: list[dict[str, Any]]) -> list[dict[str, An
         {"op": "test", "path": "/spec/taints", "value": raw_taints},
         {"op": "add", "path": "/spec/taints", "value": new},
     ]
-
-
-class TaintMetrics:
-    """`gpu_ready_taint{effect}`: 1 while the Node carries gpu-ready's taint with that effect, 0 when it
-    does not (as last read or written; absent until the first Node read). `gpu_ready_taint_changes_total
-    {change, effect}`: taint entries added and removed by this agent."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.taint = Gauge(
-            "gpu_ready_taint",
-            "1 while the Node carries gpu-ready's taint with this effect, 0 when not",
-            ["effect"],
-            registry=registry,
-        )
-        self.changes = Counter(
-            "gpu_ready_taint_changes",
-            "gpu-ready taint entries added or removed by this agent",
-            ["change", "effect"],
-            registry=registry,
-        )
-
-    def observe(self, ours: Collection[str]) -> None:
-        """`ours`: the effects of gpu-ready's entries now on the Node (own_effects)."""
-        for effect in EFFECTS:
-            self.taint.labels(effect).set(1 if effect in ours else 0)
-
-    def changed(self, plan: TaintPlan) -> None:
-        for effect in plan.add:
-            self.changes.labels("added", effect).inc()
-        for effect in plan.remove:
-            if effect in EFFECTS:
-                self.changes.labels("removed", effect).inc()
 
 
 class TaintReporter:
@@ -344,3 +312,16 @@ class TaintReporter:
         if plan.remove:
             what = ", ".join(f"{key}:{e}" for e in plan.remove)
             self.events.record("TaintRemoved", f"removed {what}: {plan.why}", type_="Normal", action="Untainted")
+
+
+SETTINGS = (
+    Setting(
+        "taints",
+        choice("off", "startup", "continuous"),
+        "off",
+        "gpu-ready's taint on its own Node: off, startup (remove when ready) or continuous (docs/taints.md)",
+    ),
+    Setting("taint_key", qualified_name, "gpu-ready.io/gpu-not-ready", "key of gpu-ready's taint (= chart taints.key)"),
+    Setting("taint_no_execute", to_bool, False, "continuous taints: also NoExecute while a fatal fault is latched"),
+    Setting("taint_unknown_as_false", to_bool, False, "continuous taints: Unknown taints like False"),
+)

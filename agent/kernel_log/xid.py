@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from agent.model import PciAddress, XidEvent
+from agent.settings import Setting, to_bool, to_int_list
 
 # printk() cuts a message at 1024 bytes (LOG_LINE_MAX); nothing the driver prints is longer.
 MAX_LINE = 1024
@@ -355,3 +356,10 @@ class KernelLogParser:
             return None
         fatal, name, action = self.classifier.classify(FALLEN_OFF_BUS_XID, line)
         return XidEvent(FALLEN_OFF_BUS_XID, addr, raw, fatal, line.strip(), "fallen_off_bus", name, action, seq, usec)
+
+
+SETTINGS = (
+    Setting("xid_fatal", to_int_list, (), "Xids fatal in addition to the catalog's (comma list)"),
+    Setting("xid_ignore", to_int_list, (), "Xids never fatal (comma list)"),
+    Setting("unknown_xid_fatal", to_bool, True, "treat Xids missing from the catalog as fatal"),
+)

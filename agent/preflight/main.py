@@ -12,11 +12,10 @@ import sys
 import tempfile
 from dataclasses import asdict
 
-from agent.kube import ApiError, KubeApi
+from agent.kube.client import ApiError, KubeApi
 from agent.preflight.burnin import load_nvml
 from agent.preflight.cuda import load_cuda
 from agent.preflight.gates import Lazy, build_gates, run_gates
-from agent.preflight.model import FAIL, GATES, GateFn, GateResult, passed
 from agent.preflight.onboarding import (
     DEFAULT_EVENT_NAMESPACE,
     cordon_for_preflight,
@@ -25,6 +24,8 @@ from agent.preflight.onboarding import (
     record_on_node,
 )
 from agent.preflight.profile import Profile, ProfileError
+from agent.preflight.result import FAIL, GATES, GateFn, GateResult, passed
+from agent.settings import ConfigError, load_json, read_text_file
 
 STEPS = ("all", "cordon", "gates", "record")
 SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
@@ -104,17 +105,13 @@ def write_results(path: str, results: list[GateResult], ok: bool) -> None:
 
 def read_results(path: str) -> list[GateResult]:
     """The gates step's results; a missing or malformed file is one failed result saying so (never a pass)."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read(RESULTS_LIMIT + 1)
-        if len(text) > RESULTS_LIMIT:
-            raise ValueError(f"larger than {RESULTS_LIMIT} bytes")
-        data = json.loads(text)
+    try:  # a regular file (a FIFO is refused, never waited on), nested at most settings.MAX_NESTING levels
+        data = load_json(read_text_file(path, RESULTS_LIMIT))
         gates = data.get("gates") if isinstance(data, dict) else None
         if not isinstance(gates, list) or not gates:
             raise ValueError("no gate results in it")
         return [GateResult.from_mapping(g) for g in gates]
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError, OverflowError) as e:  # TypeError, OverflowError: float() of a field
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         return [GateResult("gates", FAIL, f"no usable results from the gates step in {path}: {why}"[:500])]
 
@@ -131,9 +128,18 @@ def main(args: argparse.Namespace) -> int:
     except ApiError as e:
         print(f"gpu-ready preflight: cannot update Node {args.node}: {e}", file=sys.stderr)
         return 2
-    except UsageError as e:
+    except (UsageError, ConfigError) as e:  # ConfigError: no usable kubeconfig or in-cluster credentials
         print(f"gpu-ready preflight: {e}", file=sys.stderr)
         return 2
+
+
+def _api(args: argparse.Namespace) -> KubeApi:
+    """The Node credentials from --kubeconfig or the in-cluster config, loaded as `run` loads them
+    (runner.api_from): a missing or broken kubeconfig is one ConfigError line, never a traceback."""
+    from agent import config as config_mod
+    from agent.runner import api_from
+
+    return api_from(config_mod.defaults(kubeconfig=args.kubeconfig))
 
 
 def _run_step(args: argparse.Namespace, profile: Profile, wanted: list[str]) -> int:
@@ -142,7 +148,7 @@ def _run_step(args: argparse.Namespace, profile: Profile, wanted: list[str]) -> 
         return {k: v for k, v in built.items() if k in wanted}
 
     if args.step == "cordon":
-        api = KubeApi.from_environment(args.kubeconfig)
+        api = _api(args)
         by_us = cordon_for_preflight(api, args.node)
         print(f"node {args.node} cordoned{' by preflight' if by_us else ' (by someone else: stays cordoned)'}")
         return 0
@@ -163,7 +169,7 @@ def _run_step(args: argparse.Namespace, profile: Profile, wanted: list[str]) -> 
     if args.step == "record":
         results = read_results(args.results)
         ok, blocking = passed(results, profile.allow_skip)
-        api = KubeApi.from_environment(args.kubeconfig)
+        api = _api(args)
         by_us = cordoned_by_preflight(api.get_node(args.node))
         record_on_node(
             api, args.node, results, ok, blocking, args.label_key, args.needs_label, by_us, args.event_namespace
@@ -171,7 +177,7 @@ def _run_step(args: argparse.Namespace, profile: Profile, wanted: list[str]) -> 
         _print(args, results, ok)
         return 0 if ok else 1
     if args.node:
-        api = KubeApi.from_environment(args.kubeconfig)
+        api = _api(args)
         ok, results = onboard(
             api,
             args.node,

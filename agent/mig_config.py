@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.model import Check, Finding, GpuIdentity, Reason
+from agent.settings import DAY, Setting, positive, to_float
 
 MIG_CONFIG_LABEL = "nvidia.com/mig.config"
 MIG_STATE_LABEL = "nvidia.com/mig.config.state"
@@ -37,7 +38,7 @@ _LIMIT = 128  # characters of a label value shown in a message
 
 
 @dataclass(frozen=True)
-class MigLayoutResult:
+class MigConfigResult:
     findings: tuple[Finding, ...]
     pending_since: float | None  # when the `pending` state was first seen (keep it for the next cycle)
 
@@ -69,7 +70,7 @@ def _fault(kind: str, message: str) -> Finding:
     return Finding.fault(Check.MIG_LAYOUT, Reason.MIG_CONFIG_FAILED, message, kind=kind)
 
 
-def judge_mig_layout(
+def judge_mig_config(
     labels: Mapping[str, str],
     gpus: Sequence[GpuIdentity],
     advertised: Mapping[str, int] | None,
@@ -77,18 +78,18 @@ def judge_mig_layout(
     now: float,
     pending_since: float | None,
     timeout_s: float = DEFAULT_PENDING_TIMEOUT_S,
-) -> MigLayoutResult:
+) -> MigConfigResult:
     """The findings for one cycle. `gpus`: the GPUs NVML/nvidia-smi listed (mig_enabled None: the source does not
     say); `advertised`: device counts per resource name (pod-resources allocatable or the Node's capacity; None:
     not known); `pending_since`: what the previous cycle returned."""
     plan = labels.get(MIG_CONFIG_LABEL)
     state = labels.get(MIG_STATE_LABEL)
     if plan is None and state is None:
-        return MigLayoutResult((), None)
+        return MigConfigResult((), None)
     shown = _show(plan) if plan is not None else "(no plan label)"
     if state == "failed":
         msg = f"{MIG_STATE_LABEL}=failed: mig-manager could not apply the MIG layout {shown}"
-        return MigLayoutResult((_fault("mig_config_failed", msg),), None)
+        return MigConfigResult((_fault("mig_config_failed", msg),), None)
     if state == "pending":
         since = now if pending_since is None else pending_since
         waited = max(0.0, now - since)
@@ -96,15 +97,15 @@ def judge_mig_layout(
             msg = (
                 f"{MIG_STATE_LABEL}=pending for {waited:.0f}s (limit {timeout_s:.0f}s): MIG layout {shown} not applied"
             )
-            return MigLayoutResult((_fault("mig_config_pending", msg),), since)
+            return MigConfigResult((_fault("mig_config_pending", msg),), since)
         info = Finding.info(
             Check.MIG_LAYOUT, f"MIG layout {shown} pending for {waited:.0f}s", kind="mig_config_pending"
         )
-        return MigLayoutResult((info,), since)
+        return MigConfigResult((info,), since)
     if plan is None:
-        return MigLayoutResult((), None)
+        return MigConfigResult((), None)
     problems = compare_plan(plan, gpus, advertised)
-    return MigLayoutResult(
+    return MigConfigResult(
         tuple(_fault("mig_layout_mismatch", f"{MIG_CONFIG_LABEL}={shown}: {p}") for p in problems), None
     )
 
@@ -148,3 +149,13 @@ def compare_plan(plan: str, gpus: Sequence[GpuIdentity], advertised: Mapping[str
     if advertised is not None and not mig_ads and not single:
         out.append("no MIG devices advertised")
     return out
+
+
+SETTINGS = (
+    Setting(
+        "mig_pending_timeout",
+        positive(to_float, DAY),
+        600.0,
+        "seconds nvidia.com/mig.config.state may stay pending before it is a MigConfigFailed fault",
+    ),
+)

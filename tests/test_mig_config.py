@@ -1,4 +1,4 @@
-"""MIG layout health (agent/miglayout.py): mig-manager's plan and state labels against the MIG instances that exist
+"""MIG layout health (agent/mig_config.py): mig-manager's plan and state labels against the MIG instances that exist
 and the devices the plugin advertises. Plain data; the label names and states are the GPU Operator mig-manager's
 (NVIDIA/mig-parted: `nvidia.com/mig.config`, `nvidia.com/mig.config.state` = pending | success | failed)."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from agent.miglayout import (
+from agent.mig_config import (
     MIG_CONFIG_LABEL,
     MIG_STATE_LABEL,
     compare_plan,
-    judge_mig_layout,
+    judge_mig_config,
     node_mig_inputs,
 )
 from agent.model import Check, GpuIdentity, Observation, PciAddress, Reason, Severity, Status
@@ -37,7 +37,7 @@ def labels(plan: str | None, state: str | None = "success") -> dict[str, str]:
 
 
 def judge(lbl, gpus=MIG7, ads=None, now=1000.0, since=None, timeout=600.0):
-    return judge_mig_layout(lbl, gpus, ads, now=now, pending_since=since, timeout_s=timeout)
+    return judge_mig_config(lbl, gpus, ads, now=now, pending_since=since, timeout_s=timeout)
 
 
 def faults(result):

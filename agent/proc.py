@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
-from agent.preflight.model import FAIL, GateResult
+from agent.preflight.result import FAIL, GateResult
 
 PR_SET_CHILD_SUBREAPER = 36
 RESULT_LIMIT = 1 << 20  # bytes of JSON a gate process may send back

@@ -1,0 +1,93 @@
+"""The probe contract: one `Probe` per signal, one `ProbeResult` shape, one ordered registry (registry.py).
+
+A probe reads one source and says what it saw; it never decides readiness, publishes or acts. `read(context)`
+returns a `ProbeResult`, whatever happened: a source that could not be read is a result with `ran=False` and an
+UNCHECKED finding saying why (the verdict turns that into Unknown, never True). A probe keeps whatever it needs
+between cycles itself (a scanner's cache, a tracker's window); what it shares with the probes after it in the
+same cycle goes in its result's `payload`, which the context hands on by check.
+
+A probe module declares its own settings rows beside it (`SETTINGS`, agent/settings.py's `Setting`): config.py
+gathers them, and flags, environment names, file keys, the chart schema and docs/configuration.md follow."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from agent.model import Check, GpuIdentity, PciAddress, ProbeResult
+
+if TYPE_CHECKING:
+    from agent.config import Config
+    from agent.kube.client import KubeApi
+    from agent.kube.slice_cache import SliceCache
+    from agent.probes.nvidia_smi import NvidiaSmiRunner
+
+T = TypeVar("T")
+
+
+@dataclass
+class ProbeContext:
+    """What one cycle hands its probes: the own Node (or why it could not be read), the cycle's time on the
+    suite's clock, and the results of the probes before this one, by check (the registry's order)."""
+
+    node: Mapping[str, Any] | None = None
+    node_error: str | None = None
+    now: float = 0.0
+    one_shot: bool = False  # `check` / `gpus`: no start-up grace, nothing carried to a next cycle
+    results: dict[Check, ProbeResult] = field(default_factory=dict)
+
+    def ran(self, check: Check) -> ProbeResult | None:
+        """The result of `check` this cycle when it could read its source; None otherwise."""
+        r = self.results.get(check)
+        return r if r is not None and r.ran else None
+
+    def payload(self, check: Check, kind: type[T]) -> T | None:
+        """The payload of `check`'s result this cycle when it is a `kind`."""
+        r = self.results.get(check)
+        return r.payload if r is not None and isinstance(r.payload, kind) else None
+
+    @property
+    def node_asked(self) -> bool:
+        """The Node is part of this run: read, or tried (`check` without --node reads no Node)."""
+        return self.node is not None or self.node_error is not None
+
+    def gpus(self) -> dict[PciAddress, GpuIdentity]:
+        """Every GPU the sources that ran listed so far, the first source's identity winning (nvidia-smi's index
+        and name)."""
+        out: dict[PciAddress, GpuIdentity] = {}
+        for r in self.results.values():
+            if r.ran:
+                for g in r.gpus:
+                    out.setdefault(g.address, g)
+        return out
+
+
+class Probe(Protocol):
+    """One signal. `check` names it in findings, metrics and `check --json`."""
+
+    check: Check
+
+    def read(self, context: ProbeContext) -> ProbeResult: ...
+
+
+@dataclass
+class Shared:
+    """What several probes, or a probe and the kernel-log watcher, share: built once by the suite's owner."""
+
+    clock: Callable[[], float]
+    smi: NvidiaSmiRunner
+    xid_rate: Any  # kernel_log.rate.XidRateTracker: the watcher feeds it, the Xid-rate probe reads it
+    api: KubeApi | None = None  # the node's ResourceSlices (DRA counting, fencing); None: not read
+    slice_cache: SliceCache | None = None  # the runner's watch of them; None: a LIST when needed
+    started: float = 0.0  # the suite's start on `clock` (the device plugin's start-up grace)
+    kernel_log: Callable[[], str | None] = lambda: None  # why the kernel log cannot be read now; None: it can
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """One row of the registry: the check, whether it runs under these settings, and how it is built."""
+
+    check: Check
+    enabled: Callable[[Config], bool]
+    build: Callable[[Config, Shared], Probe]

@@ -1,0 +1,435 @@
+"""The vocabulary of settings: one `Setting` row (name, converter, default, help) and the converters.
+
+Every setting is declared once as a row, next to the code that uses it (a probe declares its own rows beside
+it; config.py gathers them). Flags, environment names, file keys, the chart schema and the configuration doc
+derive from the rows. The converters (`to_float`, `to_int`, `to_bool`, ...) are public so that other inputs
+(the preflight profile) validate the same way: `convert(conv, value, what)` raises ConfigError naming `what`."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import os
+import re
+import reprlib
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import yaml
+
+DAY = 86_400.0
+INT_LIMIT = 10**18  # integers have at most 18 digits (a flag, a file or a profile): no huge-int arithmetic
+FLOAT_LIMIT = 1e18  # numbers too: every real setting is far below; time.sleep(1e300) is an OverflowError
+MAX_NESTING = 64  # lists and mappings inside each other in a file we parse; real ones use 2 to 6
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+# -- converters: value from a flag/env (str) or a file (YAML scalar/list) -> typed value, or ValueError ---
+
+
+def _scalar(v: Any, expected: str) -> Any:
+    """`v` unless it is a list, mapping or set: those are refused before str() (a YAML alias bomb is tiny as a
+    file and billions of items as a string)."""
+    if isinstance(v, dict | list | tuple | set | frozenset | bytes):
+        raise ValueError(f"expected {expected}, got {_show(v)}")
+    return v
+
+
+def to_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(_scalar(v, "true or false")).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {_show(v)}")
+
+
+def to_int(v: Any) -> int:
+    """An integer of at most 18 digits: 8, "8" and 8.0 are 8; 8.5, "8.5", true, 10**400 (a YAML integer) and
+    5000-digit strings are errors."""
+    if isinstance(v, bool):
+        raise ValueError(f"expected an integer, got {_show(v)}")
+    if isinstance(v, int | float):
+        if isinstance(v, float) and (not math.isfinite(v) or v != int(v)):
+            raise ValueError(f"expected an integer, got {_show(v)}")
+        if not -INT_LIMIT < v < INT_LIMIT:
+            raise ValueError(f"expected an integer of at most 18 digits, got {_show(v)}")
+        return int(v)
+    s = str(_scalar(v, "an integer")).strip()
+    if not re.fullmatch(r"[+-]?\d{1,18}", s):
+        raise ValueError(f"expected an integer, got {_show(v)}")
+    return int(s)
+
+
+def to_float(v: Any) -> float:
+    """A finite number from -1e18 to 1e18: nan and inf are errors (a nan poll interval busy-loops; inf never
+    wakes), and so is 10**400 (a YAML integer float() cannot take)."""
+    if isinstance(v, bool):
+        raise ValueError(f"expected a number, got {_show(v)}")
+    if isinstance(v, int) and not -INT_LIMIT < v < INT_LIMIT:
+        raise ValueError(f"expected a number from -1e18 to 1e18, got {_show(v)}")
+    try:
+        x = float(v) if isinstance(v, int | float) else float(str(_scalar(v, "a number")).strip()[:64])
+    except (ValueError, OverflowError):
+        raise ValueError(f"expected a number, got {_show(v)}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"expected a finite number, got {_show(v)}")
+    if not -FLOAT_LIMIT <= x <= FLOAT_LIMIT:
+        raise ValueError(f"expected a number from -1e18 to 1e18, got {_show(v)}")
+    return x
+
+
+def to_str(v: Any) -> str:
+    if isinstance(v, dict | list | bool) or v is None:
+        raise ValueError(f"expected a string, got {_show(v)}")
+    s = str(v)
+    if not s or len(s) > 4096 or "\x00" in s:
+        raise ValueError(f"expected a non-empty string, got {_show(v)}")
+    return s
+
+
+def to_int_list(v: Any) -> tuple[int, ...]:
+    if isinstance(v, list | tuple):
+        items = v
+    else:
+        items = [x for x in str(_scalar(v, "a list of integers")).replace(" ", ",").split(",") if x]
+    if len(items) > 1024:
+        raise ValueError(f"at most 1024 entries, got {len(items)}")
+    out = tuple(to_int(x) for x in items)
+    for x in out:
+        if not 0 <= x < 2**31:
+            raise ValueError(f"expected numbers from 0 to {2**31 - 1}, got {x}")
+    return out
+
+
+def optional(conv: Callable[[Any], T]) -> Callable[[Any], T | None]:
+    def check(v: Any) -> T | None:
+        return None if v is None or (isinstance(v, str) and v.strip() in ("", "null")) else conv(v)
+
+    return check
+
+
+def choice(*options: str) -> Callable[[Any], str]:
+    def conv(v: Any) -> str:
+        s = str(_scalar(v, f"one of {', '.join(options)}")).strip().lower()
+        if s not in options:
+            raise ValueError(f"expected one of {', '.join(options)}, got {_show(v)}")
+        return s
+
+    return conv
+
+
+def choice_exact(*options: str) -> Callable[[Any], str]:
+    """One of `options`, spelled as given (API enums such as NoSchedule); any other case is named in the error."""
+
+    def conv(v: Any) -> str:
+        s = str(v).strip() if isinstance(v, str) else v
+        if s not in options:
+            raise ValueError(f"expected one of {', '.join(options)}, got {_show(v)}")
+        return str(s)
+
+    return conv
+
+
+def in_range(
+    conv: Callable[[Any], Any], low: float | None = None, high: float | None = None, *, above: bool = False
+) -> Callable[[Any], Any]:
+    """Wraps a numeric converter with bounds: `low` inclusive (exclusive when `above`), `high` inclusive."""
+
+    def check(v: Any) -> Any:
+        x = conv(v)
+        if x is None:
+            return x
+        if low is not None and (x <= low if above else x < low):
+            raise ValueError(f"must be {'greater than' if above else 'at least'} {low:g}, got {_number(x)}")
+        if high is not None and x > high:
+            raise ValueError(f"must be at most {high:g}, got {_number(x)}")
+        return x
+
+    return check
+
+
+def positive(conv: Callable[[Any], Any], high: float | None = None) -> Callable[[Any], Any]:
+    return in_range(conv, 0, high, above=True)
+
+
+def non_negative(conv: Callable[[Any], Any], high: float | None = None) -> Callable[[Any], Any]:
+    return in_range(conv, 0, high)
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9.]{0,251}[A-Za-z0-9])?")
+
+
+def dns_label(v: Any) -> str:
+    s = to_str(v)
+    if not _DNS_LABEL.fullmatch(s):
+        raise ValueError(f"expected a DNS label (lowercase letters, digits, '-'; at most 63), got {_show(v)}")
+    return s
+
+
+def dns_subdomain(v: Any) -> str:
+    s = to_str(v)
+    if not _DNS_SUBDOMAIN.fullmatch(s):
+        raise ValueError(f"expected a DNS subdomain name (lowercase letters, digits, '-', '.'), got {_show(v)}")
+    return s
+
+
+def absolute_path(v: Any) -> str:
+    s = to_str(v)
+    if not s.startswith("/"):
+        raise ValueError(f"expected an absolute path, got {_show(v)}")
+    return s
+
+
+def label_key(v: Any) -> str:
+    s = to_str(v)
+    prefix, _, name = s.rpartition("/")
+    if (prefix and not _DNS_SUBDOMAIN.fullmatch(prefix)) or not _LABEL_NAME.fullmatch(name):
+        raise ValueError(f"expected a label key ([prefix/]name), got {_show(v)}")
+    return s
+
+
+_QUALIFIED_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def qualified_name(v: Any) -> str:
+    """A Kubernetes qualified name, `[prefix/]name`: the prefix a DNS subdomain (at most 253), the name at
+    most 63 letters, digits, '-', '_', '.' starting and ending alphanumeric. Taint keys and condition types
+    such as `gpu-ready.io/gpu-not-ready` or `nvidia.com/GPUReady`."""
+    s = to_str(v)
+    prefix, slash, name = s.rpartition("/")
+    if (
+        len(s) > 317
+        or len(prefix) > 253
+        or not _LABEL_NAME.fullmatch(name)
+        or (slash and not _QUALIFIED_PREFIX.fullmatch(prefix))
+    ):
+        raise ValueError(f"expected a qualified name ([prefix/]name, e.g. example.com/Name), got {_show(v)}")
+    return s
+
+
+def host_port(v: Any) -> str:
+    """`host:port`, `:port` or `[v6]:port` with a port from 0 to 65535."""
+    s = to_str(v).strip()
+    host, sep, port = s.rpartition(":")
+    if not sep or not re.fullmatch(r"\d{1,5}", port) or int(port) > 65535:
+        raise ValueError(f"expected host:port with a port from 0 to 65535, got {_show(v)}")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if bare:
+        try:
+            ipaddress.ip_address(bare)
+        except ValueError:
+            if not _HOSTNAME.fullmatch(bare):
+                raise ValueError(f"expected host:port, got {_show(v)}") from None
+    return s
+
+
+def readable_file(v: Any) -> str:
+    s = to_str(v)
+    if not os.path.isfile(s):
+        raise ValueError(f"no such file: {_show(v)}")
+    if not os.access(s, os.R_OK):
+        raise ValueError(f"cannot read {_show(v)}")
+    return s
+
+
+def share(v: Any) -> float:
+    """A fraction from 0 (inclusive) to 1 (exclusive)."""
+    x = to_float(v)
+    if not 0 <= x < 1:
+        raise ValueError(f"expected a fraction from 0 up to (not including) 1, got {x:g}")
+    return x
+
+
+def metrics_url(v: Any) -> str:
+    """An exporter's metrics address: `http(s)://host:port/path`, or `host:port` for `http://host:port/metrics`."""
+    s = to_str(v).strip()
+    if "://" not in s:
+        if host_port(s).startswith(":"):
+            raise ValueError(f"expected host:port with a host, got {_show(v)}")
+        return f"http://{s}/metrics"
+    scheme, _, rest = s.partition("://")
+    hostport, slash, _path = rest.partition("/")
+    if scheme not in ("http", "https") or not hostport or any(c in s for c in " \t\r\n"):
+        raise ValueError(f"expected http://host:port/metrics or host:port, got {_show(v)}")
+    if ":" in hostport.rpartition("]")[2]:
+        host_port(hostport)
+    elif not _HOSTNAME.fullmatch(hostport.strip("[]")):
+        raise ValueError(f"expected http://host:port/metrics or host:port, got {_show(v)}")
+    return s if slash else s + "/metrics"
+
+
+class _ShortRepr(reprlib.Repr):
+    """repr() cut to a few items, levels and characters, in time bounded by those (not by the value's size: a
+    YAML alias bomb is billions of items); an integer too long for repr() is shown by its length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, 60, 60, 60
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 6
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 200:
+            return f"<an integer of about {int(x.bit_length() * math.log10(2)) + 1} digits>"
+        return super().repr_int(x, level)
+
+
+_SHORT = _ShortRepr()
+
+
+def _show(v: Any) -> str:
+    r = _SHORT.repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _number(x: Any) -> str:
+    try:
+        return f"{x:g}"
+    except (TypeError, ValueError, OverflowError):
+        return _show(x)
+
+
+# -- reading the files we parse (a settings file, a preflight profile, a results file) ------------------
+
+
+def read_text_file(path: str, limit: int) -> str:
+    """A regular file's UTF-8 text, at most `limit` bytes. Never blocks: a FIFO, a device, a directory or a
+    /dev/stdin-style path is refused before a byte is read, and a file over `limit` before it is read.
+    OSError when it cannot be opened or read; ValueError (one line) when it is not a small text file."""
+    _refuse_special(os.stat(path).st_mode)  # before open(): opening a device or a FIFO can have effects
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)  # what was opened (the path may have been replaced since the stat)
+        _refuse_special(st.st_mode)
+        if st.st_size > limit:
+            raise ValueError(f"larger than {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte {e.start})") from None
+
+
+def _refuse_special(mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+        raise ValueError(f"not a regular file ({kind})")
+
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISSOCK, "a socket"),
+)
+_YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where installed: ~5x faster
+
+
+def _too_deep() -> ValueError:
+    return ValueError(f"nested deeper than {MAX_NESTING} levels of lists and mappings")
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load for a document nested at most MAX_NESTING levels. The depth is counted on the parser's
+    event stream first (linear time, no recursion, nothing built), so a deep document is one ValueError, never
+    a RecursionError. yaml.YAMLError when it is not YAML; ValueError for the depth or a value no constructor
+    takes (a 5000-digit integer, 2024-13-01)."""
+    loader = _YAML_LOADER(text)
+    try:
+        depth = 0
+        while not isinstance(event := loader.get_event(), yaml.StreamEndEvent | None):
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_NESTING:
+                    raise _too_deep()
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError as e:
+        if "maximum nesting depth" in str(e):  # libyaml's own limit (1000) met while scanning ahead
+            raise _too_deep() from None
+        raise
+    finally:
+        loader.dispose()
+    try:
+        return yaml.load(text, Loader=_YAML_LOADER)  # a safe loader: CSafeLoader or SafeLoader
+    except RecursionError:
+        raise _too_deep() from None
+    except (ValueError, TypeError, OverflowError) as e:
+        raise ValueError(f"a value cannot be read: {_first_line(e)}") from None
+
+
+def load_json(text: str) -> Any:
+    """json.loads for a document nested at most MAX_NESTING levels; ValueError (one line) otherwise."""
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError as e:
+        raise ValueError(f"not valid JSON: {_first_line(e)}") from None
+    stack = [(data, 1)]
+    while stack:  # iterative: the depth of what json built, in time linear in its size
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > MAX_NESTING:
+                raise _too_deep()
+            stack += [(x, depth + 1) for x in (node.values() if isinstance(node, dict) else node)]
+    return data
+
+
+def _first_line(e: BaseException) -> str:
+    return ((str(e).splitlines() or [type(e).__name__])[0] or type(e).__name__)[:160]
+
+
+def convert(conv: Callable[[Any], T], value: Any, what: str) -> T:
+    """Runs a converter; a bad value raises ConfigError naming `what` (for inputs other than settings)."""
+    try:
+        return conv(value)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"invalid {what}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # python attribute; flag --name-with-dashes; env GPU_READY_NAME; file key camelCase
+    conv: Callable[[Any], Any]
+    default: Any
+    help: str
+    env: str | None = None  # extra env name (e.g. NODE_NAME), read after GPU_READY_<NAME>
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env_name(self) -> str:
+        return "GPU_READY_" + self.name.upper()
+
+    @property
+    def file_key(self) -> str:
+        head, *rest = self.name.split("_")
+        return head + "".join(w.capitalize() for w in rest)

@@ -1,0 +1,29 @@
+"""Who said no to a request on the test apiserver: RBAC or one of the chart's admission policies (the security
+matrices of tests/test_security.py and tests/test_security_pods.py, and the modules that wait for a policy to
+load before relying on it)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from agent.kube.client import ApiError
+
+
+def denied_by(message: str) -> str:
+    """Which layer said no: RBAC (authorization) or one of the chart's admission policies."""
+    if "ValidatingAdmissionPolicy" in message:
+        return "policy " + re.sub(r"^.*?-gpu-ready-", "", message.split("ValidatingAdmissionPolicy '")[1].split("'")[0])
+    return "RBAC" if "cannot" in message and "forbidden" in message else ""
+
+
+def denied_by_policy(fn: Callable[[], Any], policy: str) -> bool:
+    """A probe: True once the request is denied by `policy` (policies take a moment to load after creation)."""
+    try:
+        fn()
+    except ApiError as e:
+        if e.status == 403 and policy in str(e):
+            return True
+        raise
+    return False
