@@ -1,4 +1,4 @@
-"""Which pods sit on which GPU: the per-GPU allocation map built from kubelet's pod-resources API (issue 17).
+"""Which pods sit on which GPU: the per-GPU allocation map built from kubelet's pod-resources API (docs/allocation.md).
 
 Pure: no I/O, no imports of probes, reporters or the kube client. The probe (`agent/probes/podresources.py`)
 reads `List` and `GetAllocatableResources` into the plain input dataclasses below; the check suite adds the GPU

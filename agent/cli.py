@@ -29,7 +29,6 @@ CHECK_FLAGS = (
     "nvidia_smi_timeout",
     "sysfs_root",
     "kmsg",
-    "kmsg_trust_user",
     "nvml",
     "nvml_timeout",
     "nvml_nvlink",

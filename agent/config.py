@@ -209,7 +209,7 @@ class Config:
 def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
     parser.add_argument("--config", help="YAML or JSON settings file (keys in camelCase, e.g. pollInterval)")
     for s in SETTINGS:
-        if names is None or s.name in names:
+        if s.public and (names is None or s.name in names):
             env = f"; env {s.env_name}" + (f" or {s.env}" if s.env else "")
             text = f"{s.help} (default: {s.default!r}{env})".replace("%", "%%")  # argparse %-formats help
             parser.add_argument(s.flag, dest=s.name, default=None, help=text)
@@ -249,9 +249,9 @@ def load(
     path = getattr(args, "config", None) if args is not None else None
     path = path or environ.get("GPU_READY_CONFIG")
     if path:
-        keys = {s.file_key: s for s in SETTINGS}
+        keys = {s.file_key: s for s in SETTINGS if s.public}
         for k, v in _read_file(path).items():
-            s = keys.get(str(k)) or BY_NAME.get(str(k))
+            s = keys.get(str(k)) or next((x for x in keys.values() if x.name == str(k)), None)
             if s is None:
                 raise ConfigError(f"config file {path}: unknown setting {_show(k)}")
             raw[s.name] = (v, f"{s.file_key} in {path}")

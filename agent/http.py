@@ -1,6 +1,6 @@
 """HTTP endpoints: /metrics (Prometheus text, or OpenMetrics when the scraper asks), /healthz and /readyz.
 
-Bounded whatever the clients do (issue 12 item 12): one thread accepts connections and reads request
+Bounded whatever the clients do: one thread accepts connections and reads request
 heads without blocking, so an idle or slow connection costs no thread; a fixed pool of `workers` threads
 answers complete requests. At most `max_connections` connections wait for their request head (the oldest
 is closed first), a head must arrive within `head_timeout_s` and fit in MAX_HEAD bytes, at most

@@ -1,4 +1,4 @@
-"""MIG layout health (issue 17), pure: the GPU Operator's mig-manager plan and state on the Node against the MIG
+"""MIG layout health, pure: the GPU Operator's mig-manager plan and state on the Node against the MIG
 instances that exist (NVML/nvidia-smi) and the ones the device plugin advertises. No I/O, no clock (time is an
 argument); the runner reads the labels from its cached Node and keeps `pending_since` between cycles.
 

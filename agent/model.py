@@ -69,7 +69,7 @@ class Reason(StrEnum):
     GPU_COUNT_MISMATCH = "GPUCountMismatch"
     DEVICE_PLUGIN_UNHEALTHY = "DevicePluginUnhealthy"
     MIG_CONFIG_FAILED = "MigConfigFailed"  # mig-manager's plan failed, is stuck pending, or is not what exists
-    GPU_DEGRADED = "GPUDegraded"  # the GPU works but slower or half-usable (issue 18); below the hard faults
+    GPU_DEGRADED = "GPUDegraded"  # the GPU works but slower or half-usable; below the hard faults
     PREFLIGHT_NOT_PASSED = "PreflightNotPassed"
     CHECK_FAILED = "CheckFailed"
     GPUS_HEALTHY = "GPUsHealthy"
@@ -90,7 +90,7 @@ class Check(StrEnum):
     XID_RATE = "xid_rate"
     DCGM = "dcgm"
     POD_RESOURCES = "pod_resources"  # kubelet pod-resources (the allocation map; INFO only)
-    MIG_LAYOUT = "mig_layout"  # nvidia.com/mig.config against the MIG instances (agent/miglayout.py)
+    MIG_LAYOUT = "mig_layout"  # nvidia.com/mig.config against the MIG instances (agent/mig_config.py)
 
 
 class Severity(StrEnum):

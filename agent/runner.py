@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import signal
 import sys
 import threading
 from typing import Any
@@ -22,7 +21,7 @@ from agent.config import Config, ConfigError
 from agent.http import HealthServer
 from agent.kernel_log.watcher import KernelLogIngest, KmsgSource, KmsgWatcher
 from agent.kernel_log.xid import KernelLogParser, XidClassifier
-from agent.kube.client import KubeApi
+from agent.kube.client import KubeApi, connect
 from agent.kube.node_cache import NodeCache
 from agent.kube.slice_cache import SliceCache
 from agent.logs import get_logger
@@ -31,6 +30,7 @@ from agent.node_facts import OwnNode, Standing
 from agent.publisher import Publisher
 from agent.report.condition import ConditionReporter
 from agent.report.metrics import Metrics
+from agent.shutdown import on_stop_signals, wait_for_signal
 from agent.state import LatchState, read_boot_id
 
 
@@ -43,7 +43,7 @@ class Agent:
         self.cfg, self.node, self.clock = cfg, cfg.node_name, clock
         self.log = get_logger(node=self.node)
         self.metrics = m = metrics or Metrics()
-        self.api = api or api_from(cfg)
+        self.api = api or connect(cfg.kubeconfig, cfg.api_timeout)
         self.api.on_request = self.api.on_request or m.api_request
         self.api.metadata_answers = True  # status patches: the answer is never read, so only its metadata
         self.stop, self.wake, self.node_changed = threading.Event(), threading.Event(), threading.Event()
@@ -199,48 +199,13 @@ class Agent:
         self.kmsg.close()
 
 
-def api_from(cfg: Config) -> KubeApi:
-    """The API client from --kubeconfig or the in-cluster config; a broken kubeconfig is a ConfigError."""
-    try:
-        return KubeApi.from_environment(cfg.kubeconfig, cfg.api_timeout)
-    except Exception as e:  # the kubernetes package raises several types for a bad kubeconfig
-        where = f"kubeconfig {cfg.kubeconfig}" if cfg.kubeconfig else "in-cluster or ~/.kube/config credentials"
-        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        raise ConfigError(f"cannot load {where}: {first}") from None
-
-
-def wait_for_signal(stop: threading.Event) -> None:
-    """Blocks the main thread until a signal handler sets `stop`, without waking up in between: a signal
-    writes a byte to a pipe (signal.set_wakeup_fd) that a blocking read waits on, so one that comes before
-    the read is not lost, and the handler has run before the loop looks at `stop` again."""
-    import os
-
-    r, w = os.pipe()
-    os.set_blocking(w, False)
-    previous = signal.set_wakeup_fd(w)
-    try:
-        while not stop.is_set():
-            os.read(r, 64)
-    finally:
-        signal.set_wakeup_fd(previous)
-        os.close(r)
-        os.close(w)
-
-
 def main(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args)
     from agent.logs import setup_logging
 
     setup_logging(cfg.log_format, cfg.log_level)
     agent = Agent(cfg)
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        agent.log.info("signal received; shutting down", signal=signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = on_stop_signals(lambda name: agent.log.info("signal received; shutting down", signal=name))
     agent.log.info(
         "gpu-ready starting", poll_interval=cfg.poll_interval, kmsg=cfg.kmsg, nvml=cfg.nvml, state_dir=cfg.state_dir
     )

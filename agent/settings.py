@@ -420,6 +420,9 @@ class Setting:
     default: Any
     help: str
     env: str | None = None  # extra env name (e.g. NODE_NAME), read after GPU_READY_<NAME>
+    # False: a test seam, not a setting: only its environment variable sets it (no flag, no file key, not in the
+    # chart's schema or the configuration doc)
+    public: bool = True
 
     @property
     def flag(self) -> str:

@@ -201,8 +201,9 @@ def spawned_cpu_ms(runs: int = 100) -> dict[str, float]:
     """What one nvidia-smi run costs besides nvidia-smi itself, measured in a fresh process the agent's size
     (it imports what `gpu-ready run` imports): `runs` runs of agent/probes/nvidia_smi.py's runner around
     /bin/true against as many plain spawns of /bin/true. `spawned_ms`: the CPU of every other process a run
-    starts (when a supervisor ran nvidia-smi: a `python -I -S` process per poll, 17-20 ms; now none, so about 0: measured,
-    not assumed); `agent_ms`: the extra CPU of the agent process itself (already inside its own CPU figure)."""
+    starts (when a supervisor ran nvidia-smi: a `python -I -S` process per poll, 17-20 ms; now none, so about
+    0: measured, not assumed); `agent_ms`: the extra CPU of the agent process itself (already inside its own CPU
+    figure)."""
     import subprocess
     import sys
 
@@ -318,6 +319,7 @@ def launch(
     extra: dict[str, str] | None = None,
     kmsg: str | None = None,
     python: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> AgentProc:
     """testkit.harness.launch_agent with the agent run by `python` (default: runtime_python(), what the
     image installs). Returns the started AgentProc."""
@@ -335,7 +337,7 @@ def launch(
         _, info = service_account_client(admin, AGENT_RULES, pod_on_node=node)
     finally:
         admin.close()
-    agent = AgentProc(cp, host, node, info["token"], extra=extra, workdir=workdir, kmsg=kmsg)
+    agent = AgentProc(cp, host, node, info["token"], extra=extra, workdir=workdir, kmsg=kmsg, env=env)
     agent.args[0] = python or runtime_python()
     return agent.start()
 

@@ -54,10 +54,10 @@ from agent.kube.backoff import first_write_delay, heartbeat_delay
 from agent.kube.client import ApiError, KubeApi
 from agent.kube.node_cache import NodeCache
 from agent.kube.slice_cache import SliceCache
+from agent.kube.slices import SliceRead, read_node_slices
 from agent.kube.watch import WATCH_TIMEOUT_S
 from agent.logs import setup_logging
 from agent.model import Reason, Status, Verdict
-from agent.probes.dra import SliceRead, read_node_slices
 from agent.report.condition import ConditionReporter
 from agent.report.events import EventReporter
 from bench.common import machine, save, table

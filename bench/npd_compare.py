@@ -8,8 +8,8 @@ Then the steady state side by side: NPD started once more, and after a warm-up b
 over the same window (`--steady-seconds`) for RSS and CPU. gpu-ready runs at its default intervals (poll
 30 s) with the image's packages only (bench.common.runtime_python); its CPU is given as the process's own and
 with what every other process it starts per poll costs added (bench.common.spawned_cpu_ms: nvidia-smi itself
-not counted, nothing else: the agent starts nvidia-smi itself); NPD runs no child process. Both agents' CPU and RSS come from the
-same sampler over the same window, so the ratios compare one run."""
+not counted, nothing else: the agent starts nvidia-smi itself); NPD runs no child process. Both agents' CPU and
+RSS come from the same sampler over the same window, so the ratios compare one run."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def run(cp: ControlPlane, reps: int = 10, steady_s: float = 120.0, warmup_s: flo
         return {"skipped": "needs root and a writable /dev/kmsg (both agents read the real kernel log)"}
     npd = npd_binary()
     work = Path(tempfile.mkdtemp(prefix="bench-npd-"))
-    agent = launch(cp, work, "bench-npd", {**AGENT_DEFAULTS, "--kmsg-trust-user": "true"}, kmsg="/dev/kmsg")
+    agent = launch(cp, work, "bench-npd", AGENT_DEFAULTS, kmsg="/dev/kmsg", env={"GPU_READY_KMSG_TRUST_USER": "true"})
     node = agent.node
     kc = cp.kubeconfig(work / "npd.kubeconfig")
     cfg = npd_config(work / "gpu-xid-monitor.json")

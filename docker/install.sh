@@ -6,8 +6,8 @@ set -eu
 prefix=${1:?usage: install.sh PREFIX [SRC]}
 src=${2:-$(cd "$(dirname "$0")/.." && pwd)}
 python3 -m venv "$prefix"
-"$prefix/bin/python" -m pip install --no-cache-dir --disable-pip-version-check --quiet "$src"
-# Bytecode compiled once here, optimised (issue 19): without column tables (PYTHONNODEBUGRANGES: smaller code
+"$prefix/bin/python" -m pip install --no-cache-dir --disable-pip-version-check --quiet "$src[podresources]"
+# Bytecode compiled once here, optimised: without column tables (PYTHONNODEBUGRANGES: smaller code
 # objects in memory), as the plain .pyc and as the -OO one (no docstrings or asserts) that an interpreter run
 # with PYTHONOPTIMIZE=2 loads. The image runs with PYTHONDONTWRITEBYTECODE, so nothing is compiled at run time.
 site=$("$prefix/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

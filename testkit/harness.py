@@ -93,8 +93,10 @@ class AgentProc:
         extra: dict[str, str] | None = None,
         workdir: Path | None = None,
         kmsg: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.cp, self.host, self.node = cp, host, node
+        self.env = env or {}  # e.g. GPU_READY_KMSG_TRUST_USER=true (a test seam: no flag)
         self.workdir = workdir or host.root
         self.kubeconfig = cp.kubeconfig(self.workdir / f"kubeconfig-{node}", token)
         self.port = free_port()
@@ -129,7 +131,7 @@ class AgentProc:
 
     def start(self) -> AgentProc:
         fh = open(self.log_path, "ab")  # noqa: SIM115
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(
             self.args, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
         )

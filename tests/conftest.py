@@ -1,4 +1,6 @@
-"""Shared fixtures: a real kube-apiserver + etcd (session scope), helpers on it, a simulated GPU host."""
+"""Shared fixtures: a real kube-apiserver + etcd (session scope), helpers on it, a simulated GPU host, the agent as a
+process, and a control plane with the real scheduler (module scope). Plain functions and classes that several test
+modules share live in testkit/; no module imports this one (pyproject.toml's import-linter contract)."""
 
 from __future__ import annotations
 

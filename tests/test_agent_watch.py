@@ -202,7 +202,7 @@ def test_first_write_waits_for_its_moment_unless_the_status_changes(admin, make_
         for h, n in zip(hosts, nodes, strict=True):
             api, _ = sa_client(rules=AGENT_RULES, pod_on_node=n)
             agent = in_process_agent(api, n, h, start_spread=3600)
-            agent.first_write_at = agent.started_mono + 3600  # deterministic: the spread's far end
+            agent.publisher.first_write_at = agent.started_mono + 3600  # deterministic: the spread's far end
             agents.append(agent)
             agent.start(serve=False)
         held, fault, fresh = agents
@@ -225,9 +225,9 @@ def test_first_write_waits_for_its_moment_unless_the_status_changes(admin, make_
 
         wait_for(false_on_node, 10, 0.02, "the fault on node 1")
         assert time.monotonic() - t0 < 2.0
-        assert fault.condition.sent_status == "False" and time.monotonic() < fault.first_write_at
+        assert fault.condition.sent_status == "False" and time.monotonic() < fault.publisher.first_write_at
         # its moment comes: the held write goes out (the loop sleeps until then, not a poll later)
-        held.first_write_at = time.monotonic()
+        held.publisher.first_write_at = time.monotonic()
         held.wake.set()
         wait_for(lambda: held.condition.sent is not None, 10, 0.02, "the held write")
         c = condition(admin.get_node(nodes[0]), "GPUReady")

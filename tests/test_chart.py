@@ -384,7 +384,7 @@ def test_dockerfile_install_steps_in_a_fresh_venv(tmp_path):
     assert 'ENTRYPOINT ["gpu-ready"]' in dockerfile and 'CMD ["run"]' in dockerfile
     src = tmp_path / "src"
     src.mkdir()
-    for item in ("pyproject.toml", "README.md", "agent", "docker/install.sh"):  # the COPY lines
+    for item in ("pyproject.toml", "README.md", "LICENSE", "agent", "docker/install.sh"):  # the COPY lines
         dst = src / item
         dst.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if (ROOT / item).is_dir() else shutil.copy)(ROOT / item, dst)

@@ -14,7 +14,7 @@ from agent import config
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "gpu-ready"
-BY_KEY = {s.file_key: s for s in config.SETTINGS}
+BY_KEY = {s.file_key: s for s in config.SETTINGS if s.public}
 # Settings the chart sets itself (from other values, the downward API or fixed mount paths), or that
 # make no sense in a cluster: not part of `config`.
 CHART_MANAGED = {
@@ -33,7 +33,6 @@ CHART_MANAGED = {
     "eventNamespace": "GPU_READY_EVENT_NAMESPACE from events.namespace (default or kube-system)",
     "sysfsRoot": "the /host/sys mount",
     "kmsg": "the /dev/kmsg mount",
-    "kmsgTrustUser": "tests only",
     "stateDir": "the stateDir hostPath mount",
     "bootIdFile": "the boot_id mount",
     "metricsAddress": "metrics.port",

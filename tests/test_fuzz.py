@@ -11,7 +11,9 @@ import contextlib
 import io
 import json
 import os
+import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,12 +23,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent import config
+from agent.cli import build_parser
 from agent.cli import main as cli_main
-from agent.kernel_log.source import MAX_RECORD, KmsgSource, format_record, parse_record
+from agent.kernel_log.source import MAX_RECORD, KmsgSource, KmsgUnavailable, format_record, parse_record
 from agent.kernel_log.xid import KernelLogParser
 from agent.model import PciAddress, Severity
+from agent.preflight import FAIL, Profile, ProfileError, read_results
 from agent.probes.device_plugin import plugin_counts, plugin_findings
 from agent.probes.nvidia_smi import parse_smi_table, smi_findings
+from agent.settings import INT_LIMIT, in_range, to_float, to_int, to_int_list
 from testkit.fixture_files import FIXTURES
 from testkit.simhost import SimHost
 
@@ -292,3 +297,149 @@ def test_check_cli(host: SimHost, node: Any, smi: str, rc: int) -> None:
     if verdict["status"] == "True":  # only when every check could run and saw GPUs
         assert plugin_counts(json.loads(node_path.read_text()), None).malformed is None
         assert parse_smi_table(smi).gpus and rc == 0
+
+
+# -- bad input: deep nesting, huge integers, endless sources, FIFOs; argparse errors ------------------------------
+
+HUGE_LEAVES = st.sampled_from(
+    ["1", "9" * 19, "9" * 400, "-" + "9" * 400, "9" * 5000, "1e999", "-1e400", '"x"', "[]", "{}"]
+)
+
+
+@st.composite
+def deep_or_huge(draw: st.DrawFn) -> tuple[str, str]:
+    """(file name, text): a settings file, a profile or a results file with a value nested 0 to 3000 levels deep
+    (flow, block or JSON) and a leaf that is a huge integer, an overflowing float or an empty collection."""
+    kind = draw(st.sampled_from(["config.yaml", "config.json", "profile.yaml", "results.json"]))
+    depth = draw(st.integers(0, 3000) | st.integers(60, 70))
+    leaf = draw(HUGE_LEAVES | st.integers(-(10**500), 10**500).map(str))
+    key = draw(st.sampled_from(["pollInterval", "recoveryPolls", "xidFatal", "gpuCount", "timeouts", "serving", "x"]))
+    if kind.endswith(".json"):
+        value = "[" * depth + leaf + "]" * depth
+        if kind == "results.json":
+            return kind, '{"gates": [{"gate": "spec", "status": "pass", "duration_s": ' + value + "}]}"
+        return kind, "{" + json.dumps(key) + ": " + value + "}"
+    style = draw(st.sampled_from(["flow", "mapping", "block", "dashes"]))
+    if style == "flow":
+        value = "[" * depth + leaf + "]" * depth
+    elif style == "mapping":
+        value = "{a: " * depth + leaf + "}" * depth
+    elif style == "dashes":
+        value = "\n  " + "- " * depth + leaf
+    else:
+        depth = min(depth, 300)  # indentation grows quadratically: keep it under the size limit
+        value = "\n" + "".join(" " * (i + 1) + "a:\n" for i in range(depth)) + " " * (depth + 1) + leaf
+    return kind, f"{key}: {value}\n"
+
+
+def finishes(fn: Any, timeout_s: float = 60.0) -> Any:
+    """Runs fn on a thread; fails the test if it has not returned within timeout_s (a stall, not a slow run)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised on the test's thread
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"{fn} did not return"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+@budget(80)
+@given(deep_or_huge())
+def test_deep_nesting_and_huge_integers_are_one_line(case: tuple[str, str]) -> None:
+    name, text = case
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / name
+        path.write_text(text)
+        if name == "results.json":  # never raises: a failed result saying why, or the results
+            got = read_results(str(path))
+            assert got and (got[0].status != FAIL or "\n" not in got[0].reason)
+            return
+        try:
+            if name.startswith("profile"):
+                Profile.load(str(path))
+            else:
+                config.load(None, environ={"GPU_READY_CONFIG": str(path)})
+        except (config.ConfigError, ProfileError) as e:
+            assert str(e) and "\n" not in str(e) and len(str(e)) < 1000
+
+
+@budget(200)
+@given(
+    st.integers()
+    | st.integers(-(10**4000), 10**4000)
+    | st.sampled_from([INT_LIMIT, -INT_LIMIT, INT_LIMIT - 1, 10**400, float(10**300), 1e18, "1e300", "9" * 400])
+)
+def test_converters_never_return_huge_numbers(value: Any) -> None:
+    for conv in (to_int, to_float, in_range(to_int, 0, 100), in_range(to_float, -1, 1), to_int_list):
+        try:
+            out = conv(value)
+        except ValueError as e:
+            assert "\n" not in str(e) and len(str(e)) < 200
+            continue
+        for x in out if isinstance(out, tuple) else (out,):
+            assert -INT_LIMIT <= x <= INT_LIMIT  # 999_999_999_999_999_936 as a float is 1e18
+
+
+SPECIAL_FILES = ["/dev/zero", "/dev/urandom", "/dev/null", "/dev/full", "/dev/stdin", "fifo", "dir", "socket"]
+
+
+@budget(40)
+@given(st.sampled_from(SPECIAL_FILES), st.sampled_from(["config", "profile", "results", "kmsg"]))
+def test_endless_and_special_files_are_refused_without_waiting(kind: str, reader: str) -> None:
+    """A FIFO nobody writes, /dev/zero that never ends, a directory, a socket: refused (could not check), never
+    read until it ends and never waited on."""
+    with tempfile.TemporaryDirectory() as d:
+        path = {"fifo": f"{d}/fifo", "dir": d, "socket": f"{d}/sock"}.get(kind, kind)
+        if kind == "fifo":
+            os.mkfifo(path)
+        listener = None
+        if kind == "socket":
+            listener = socket.socket(socket.AF_UNIX)
+            listener.bind(path)
+        try:
+            if reader == "kmsg":
+                src = KmsgSource(path)
+                try:
+                    with pytest.raises(KmsgUnavailable):
+                        finishes(lambda: [r for batch in src.drain() for r in batch])
+                finally:
+                    src.close()
+            elif reader == "results":
+                got = finishes(lambda: read_results(path))
+                assert [r.status for r in got] == [FAIL]
+            else:
+                load = Profile.load if reader == "profile" else (lambda p: config.load(None, {"GPU_READY_CONFIG": p}))
+                with pytest.raises((config.ConfigError, ProfileError)) as ei:
+                    finishes(lambda: load(path))
+                assert "\n" not in str(ei.value)
+        finally:
+            if listener is not None:
+                listener.close()
+
+
+ARGV_WORDS = ["check", "gpus", "run", "preflight", "bogus", "--bogus", "--kmsg", "--node", "--node-json", "--json"]
+ARGV_WORDS += ["--step", "all", "record", "nope", "--profile", "p.yaml", "--poll-interval", "5", "--config", "x"]
+
+
+@budget(200)
+@given(st.lists(st.sampled_from(ARGV_WORDS) | st.text(max_size=6), max_size=8))
+def test_usage_errors_are_one_line(argv: list[str]) -> None:
+    parser = build_parser()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            _args, extra = parser.parse_known_args(argv)
+        except SystemExit as e:
+            assert e.code == 2
+            text = err.getvalue()
+            assert len(text.strip().splitlines()) == 1 and text.startswith("gpu-ready") and ": error: " in text
+            return
+    assert isinstance(extra, list)

@@ -1,7 +1,8 @@
 """`gpu-ready gpus` and `gpu-ready check --json`'s `allocation` section, end to end: the CLI in a subprocess on the
 simulated GPU host, reading a gRPC pod-resources server (grpcio from the dev extras, serving the vendored kubelet
-proto on a unix socket, as kubelet does) whose device IDs are the simulated GPUs' UUIDs. The real kubelet is
-in tests/test_allocation_node.py and tests/test_podresources_kubelet.py; here the CLI's output and exit codes are pinned."""
+proto on a unix socket, as kubelet does) whose device IDs are the simulated GPUs' UUIDs. The real kubelet is in
+tests/test_allocation_node.py and tests/test_podresources_kubelet.py; here the CLI's output and exit codes are
+pinned."""
 
 from __future__ import annotations
 

@@ -45,6 +45,9 @@ CHART = Path(os.environ.get("GPU_READY_TEST_CHART") or REPO / "charts" / "gpu-re
 NODE = "gpu-node-real"
 NS = "gpu-ready"
 RELEASE = "gpu-ready"
+# Records written to /dev/kmsg from user space carry the user facility; this test seam (an environment variable,
+# no setting) lets the agent count them.
+TRUST_USER = [{"name": "GPU_READY_KMSG_TRUST_USER", "value": "true"}]
 COND = "GPUReady"
 TIMES: dict[str, float] = {}  # figures measured here, printed at the end of the module
 
@@ -120,7 +123,7 @@ class Env:
             *head, last = key.split(".")
             for h in head:
                 d = d.setdefault(h, {})
-            d[last] = val
+            d[last] = d[last] + val if isinstance(val, list) and isinstance(d.get(last), list) else val  # lists add
         path = self.workdir / f"values-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(v))
         return path
@@ -269,11 +272,11 @@ def _xid_label(env: Env, gpu: int, xid: int = 79) -> str:
 
 def test_real_kmsg_xid_turns_condition_false(env: Env) -> None:
     """A record written to the real /dev/kmsg reaches the agent inside the pod. Records written from user space
-    carry the user facility; kmsgTrustUser (tests only) lets the agent count them."""
+    carry the user facility; GPU_READY_KMSG_TRUST_USER (a test seam, no setting) lets the agent count them."""
     assert env.sim is not None
     old = _wait_pod_ready(env)["metadata"]["uid"]
     env.helm_run(
-        "upgrade", RELEASE, str(CHART), "-n", NS, "-f", str(env.values(**{"config.kmsgTrustUser": True})), "--wait"
+        "upgrade", RELEASE, str(CHART), "-n", NS, "-f", str(env.values(**{"agent.extraEnv": TRUST_USER})), "--wait"
     )
     _wait_pod_ready(env, not_uid=old)
     label = _xid_label(env, 6)
@@ -298,7 +301,7 @@ def test_upgrade_during_latched_fault_never_reads_true_or_unknown(env: Env) -> N
     with Sampler(env) as s:
         env.helm_run(
             "upgrade", RELEASE, str(CHART), "-n", NS, "--wait",
-            "-f", str(env.values(**{"config.kmsgTrustUser": True, "config.pollInterval": 20})),
+            "-f", str(env.values(**{"agent.extraEnv": TRUST_USER, "config.pollInterval": 20})),
         )  # fmt: skip
         new = _wait_pod_ready(env, not_uid=old)
         started = time.monotonic()
@@ -423,7 +426,7 @@ def test_preflight_job_runs_on_the_node(env: Env) -> None:
             "preflight.extraArgs": [f"--nvidia-smi={sim.nvidia_smi}", "--gates=spec"],
             "extraVolumes": [{"name": "simhost", "hostPath": {"path": str(sim.root.parent), "type": "Directory"}}],
             "extraVolumeMounts": [{"name": "simhost", "mountPath": str(sim.root.parent)}],
-            "config.kmsgTrustUser": True,
+            "agent.extraEnv": TRUST_USER,
         }
     )
     # The DaemonSet's simulated host moves too (same extraVolumes): point its nvidia-smi and sysfs there.

@@ -14,7 +14,8 @@ import pytest
 
 from agent.kube.client import ApiError, KubeApi
 from agent.kube.slice_cache import MAX_STORED, SliceCache
-from agent.probes.dra import SLICES_PATH, node_inventory
+from agent.kube.slices import SLICES_PATH
+from agent.probes.dra import node_inventory
 from agent.runner import Agent
 from testkit.cluster import AGENT_RULES
 from testkit.dra import DRIVER, nvidia_slice

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 from agent import config
 from agent.checks import CheckSuite
-from agent.probes.dra import DRA_EMPTY_RELIST_S
 from agent.kube.client import KubeApi
+from agent.probes.dra import DRA_EMPTY_RELIST_S
 from testkit.dra import nvidia_slice
 from testkit.simhost import SimHost
 

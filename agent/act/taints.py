@@ -25,7 +25,6 @@ the taint on shutdown: a node whose agent stops keeps what its last verdict aske
 
 from __future__ import annotations
 
-import random
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -35,6 +34,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 from urllib.parse import quote
 
+from agent.kube.backoff import Backoff
 from agent.kube.client import ApiError, KubeApi
 from agent.model import TAINT_EFFECTS, Status, Verdict
 from agent.report.metrics import TaintMetrics
@@ -205,12 +205,19 @@ class TaintReporter:
         self.last_taints: list[dict[str, Any]] | None = None
         self.newest: tuple[dict[str, Any], float] | None = None  # the last Node this reporter read or wrote
         self.superseded: list[str] = []  # resourceVersions this reporter planned from and then patched over
-        self.failures = 0  # consecutive failed reconciles
-        self.retry_at = 0.0  # monotonic; no reconcile before (backoff after a failure)
+        self.backoff = Backoff(retry_cap_s, mono=mono)  # after a failed reconcile, none before its retry_at
+
+    @property
+    def failures(self) -> int:
+        return self.backoff.failures
+
+    @property
+    def retry_at(self) -> float:
+        return self.backoff.retry_at
 
     def due(self) -> bool:
         """False while backing off after a failed write."""
-        return self.mono() >= self.retry_at
+        return self.backoff.due()
 
     def freshest(self, node: dict[str, Any], read_at: float) -> dict[str, Any]:
         """`node` (read at monotonic `read_at`) or, when this reporter has read or written the Node since,
@@ -242,12 +249,10 @@ class TaintReporter:
             return TaintPlan()
         try:
             plan = self._reconcile(verdict, latched_fatal, startup_gate_open, node)
-        except ApiError:
-            self.failures += 1
-            delay = min(self.retry_cap_s, 0.5 * 2 ** min(self.failures - 1, 10)) * random.uniform(0.8, 1.2)
-            self.retry_at = self.mono() + min(delay, self.retry_cap_s)
+        except ApiError as e:
+            self.backoff.failed(e)
             raise
-        self.failures, self.retry_at = 0, 0.0
+        self.backoff.succeeded()
         return plan
 
     def _reconcile(

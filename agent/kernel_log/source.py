@@ -26,7 +26,7 @@ READ_SIZE = 8192
 FILE_CHUNK = 1 << 20
 # One /dev/kmsg read returns at most 8192 bytes (the kernel's CONSOLE_EXT_LOG_MAX: a record's text is at
 # most 1024 bytes, up to 4x that once escaped as \xNN). A longer line in a file is cut to MAX_RECORD before
-# parsing, so a huge line costs linear time and bounded memory (issue 12 item 10).
+# parsing, so a huge line costs linear time and bounded memory.
 MAX_RECORD = 8192
 KMSG_DEVICE = (1, 11)  # /dev/kmsg's major:minor on every Linux; any other character device is refused
 FILE_BYTES_PER_RECORD = 1024  # a file batch reads at most max_records x this (lines dropped unread count too)

@@ -293,5 +293,11 @@ def read_once(path: str, parser: KernelLogParser, trust_user: bool = False) -> K
 
 SETTINGS = (
     Setting("kmsg", to_str, "/dev/kmsg", "kernel log to read (a regular file in kmsg format works the same)"),
-    Setting("kmsg_trust_user", to_bool, False, "count records from user-space facilities too (tests only)"),
+    Setting(
+        "kmsg_trust_user",
+        to_bool,
+        False,
+        "count records from user-space facilities too (tests that write to /dev/kmsg from user space)",
+        public=False,
+    ),
 )

@@ -1,8 +1,8 @@
 """Kernel-log GPU errors: Xid, NVSwitch SXid and "fallen off the bus" lines, the Xid catalog and the NVLink5
 (Xid 144-150) decode table.
 
-Parses message text only; reading /dev/kmsg is kmsg_watch.py's job. Formats and sources:
-shared/reference/gpu-signals.md section 2; the policy is docs/xid-policy.md.
+Parses message text only; reading /dev/kmsg is source.py's job. The formats, the catalog's sources and the policy
+are docs/xid-policy.md.
 
 Every regular expression here is anchored on a literal and has bounded quantifiers, and every line is cut to
 MAX_LINE characters before it is matched, so parsing is linear in the input whatever it holds.

@@ -28,10 +28,23 @@ MAX_WATCH_LINE = 8 * 1024 * 1024  # one watch event (a whole Node as JSON); etcd
 class ApiError(Exception):
     """An API request failed. status 0 = no HTTP answer (connection refused, timeout, TLS)."""
 
-    def __init__(self, status: int, message: str, body: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, body: dict[str, Any] | None = None, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
         self.body = body or {}
+        self.retry_after_s = retry_after_s  # the server's Retry-After (429, 503), seconds; None: not given
+
+
+def retry_after(headers: Any, body: Any) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds) or the Status body's details.retryAfterSeconds."""
+    raw = headers.get("Retry-After") if headers is not None and hasattr(headers, "get") else None
+    if isinstance(raw, str) and raw.strip().isdigit() and len(raw.strip()) <= 6:
+        return float(raw.strip())
+    details = body.get("details") if isinstance(body, dict) else None
+    secs = details.get("retryAfterSeconds") if isinstance(details, dict) else None
+    return float(secs) if isinstance(secs, int) and not isinstance(secs, bool) and 0 < secs <= 86_400 else None
 
 
 class ClientLayer(NamedTuple):
@@ -198,7 +211,7 @@ class KubeApi:
         timeout_s: float = 10.0,
         on_request: Callable[[str, int], None] | None = None,
     ) -> None:
-        configuration.retries = False  # retries are ours (backoff with jitter in the runner)
+        configuration.retries = False  # retries are ours (kube/backoff.py)
         self.configuration = configuration
         self.layer = client_layer()
         self.rest = self.layer.rest_client(configuration)
@@ -289,14 +302,14 @@ class KubeApi:
         HTTP method; "LIST" for a collection read, as the apiserver's own metrics name it)."""
         url = self._url(path, (query or {}).items())
         hdrs = self._headers(accept, content_type)
-        status = 0
+        status, headers = 0, None
         try:
             resp = self.rest.request(method, url, headers=hdrs, body=body, _request_timeout=timeout_s or self.timeout_s)
             resp.read()
             status = resp.status
             raw = resp.data or b"{}"
         except self.layer.api_exception as e:
-            status, body_ = getattr(e, "status", 0) or 0, getattr(e, "body", None)
+            status, body_, headers = getattr(e, "status", 0) or 0, getattr(e, "body", None), getattr(e, "headers", None)
             raw = (body_ or "").encode() if isinstance(body_, str) else (body_ or b"")
         except (urllib3.exceptions.HTTPError, OSError) as e:
             self._count(verb or method, 0)
@@ -309,7 +322,7 @@ class KubeApi:
         except ValueError:
             obj = {"message": raw[:200].decode("utf-8", "replace")}
         if status >= 400:
-            raise ApiError(status, f"{method} {path}: {obj.get('message', '')}", obj)
+            raise ApiError(status, f"{method} {path}: {obj.get('message', '')}", obj, retry_after(headers, obj))
         return obj
 
     def _count(self, verb: str, code: int) -> None:
@@ -470,3 +483,16 @@ class WatchStream:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def connect(kubeconfig: str | None, timeout_s: float) -> KubeApi:
+    """The API client from a kubeconfig file or the in-cluster config (then ~/.kube/config); a missing or broken
+    one is one ConfigError line naming where it looked."""
+    from agent.settings import ConfigError
+
+    try:
+        return KubeApi.from_environment(kubeconfig, timeout_s)
+    except Exception as e:  # the kubernetes package raises several types for a bad kubeconfig
+        where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster or ~/.kube/config credentials"
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"cannot load {where}: {first}") from None

@@ -1,7 +1,8 @@
 """The smallest correct unary gRPC client over HTTP/2 on a unix socket, for kubelet's pod-resources API.
 
-Why not grpcio: it adds ~21 MiB RSS to an agent whose whole budget is ~41 MiB (issue 19). This speaks the gRPC
-wire protocol (grpc/grpc:doc/PROTOCOL-HTTP2.md) with the pure-Python `h2` state machine: the connection preface,
+Why not grpcio: it adds ~21 MiB RSS to an agent whose whole budget is ~41 MiB (docs/performance.md). This
+speaks the gRPC wire protocol (grpc/grpc:doc/PROTOCOL-HTTP2.md) with the pure-Python `h2` state machine: the
+connection preface,
 a large initial window (WINDOW_UPDATE as data arrives), one HEADERS frame (`:method POST`, `:scheme http`,
 `:path /<service>/<method>`, `:authority localhost`, `content-type application/grpc`, `te trailers`,
 `grpc-timeout`), one length-prefixed message with END_STREAM, then everything read until the trailers

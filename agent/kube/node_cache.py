@@ -25,9 +25,10 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from agent.kube.backoff import BACKOFF_BASE_S, BACKOFF_CAP_S, backoff_delay, error_kind
+from agent.kube.backoff import BACKOFF_BASE_S, BACKOFF_CAP_S, backoff_delay, error_kind, retry_wait
 from agent.kube.client import MAX_WATCH_LINE, ApiError, KubeApi
 from agent.kube.watch import (
     FORBIDDEN_BACKOFF_CAP_S,
@@ -45,6 +46,7 @@ from agent.kube.watch import (
 from agent.logs import get_logger
 
 
+@dataclass
 class NodeCacheStats(WatchStats):
     lists: int = 0
     relists: int = 0  # starts over after a 410 Gone: a re-list, or a watch from resourceVersion=0
@@ -226,7 +228,7 @@ class NodeCache(WatchThread):
                     relist = ("0", None)
                 self._failures += 1
                 cap = FORBIDDEN_BACKOFF_CAP_S if e.status in (401, 403) else self.backoff_cap_s
-                self._stop.wait(backoff_delay(self._failures, self.rng, BACKOFF_BASE_S, cap))
+                self._stop.wait(retry_wait(self._failures, self.rng, BACKOFF_BASE_S, cap, e.retry_after_s))
             except Exception as e:  # never die silently: a bug here must not freeze the Node the agent sees
                 self.stats.errors += 1
                 with self._lock:

@@ -12,7 +12,7 @@ cache lists (`resourceVersion=0`, from the cache) and watches from the list's re
 
 A watch the server ends resumes from the last resourceVersion seen (bookmarks keep it fresh); a 410 Gone
 starts over with a new streaming list, the old slices served until its end bookmark replaces them. Errors back
-off exponentially with jitter (node_cache.backoff_delay); a 401/403 (RBAC without `watch`) retries at most
+off exponentially with jitter (kube/backoff.py); a 401/403 (RBAC without `watch`) retries at most
 every 30 min. A 404 (no resource.k8s.io/v1: no DRA on this cluster) stops watching: `items()` answers "no
 slices" and the watch is tried again after ABSENT_RETRY_S.
 
@@ -30,8 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.kube.backoff import BACKOFF_BASE_S, BACKOFF_CAP_S, backoff_delay, error_kind
+from agent.kube.backoff import BACKOFF_BASE_S, BACKOFF_CAP_S, backoff_delay, error_kind, retry_wait
 from agent.kube.client import MAX_WATCH_LINE, ApiError, KubeApi
+from agent.kube.slices import DEFAULT_DRIVER, MAX_SLICES, SLICES_PATH, SliceRead
 from agent.kube.watch import (
     FORBIDDEN_BACKOFF_CAP_S,
     WATCH_TIMEOUT_S,
@@ -42,7 +43,6 @@ from agent.kube.watch import (
     rv_of,
 )
 from agent.logs import get_logger
-from agent.probes.dra import DEFAULT_DRIVER, MAX_SLICES, SLICES_PATH, SliceRead
 
 INITIAL_EVENTS_END = "k8s.io/initial-events-end"
 ABSENT_RETRY_S = 3600.0  # no resource.k8s.io/v1 on the apiserver: look again this rarely (a cluster upgrade)
@@ -232,7 +232,7 @@ class SliceCache(WatchThread):
                     continue
                 self._failures += 1
                 cap = FORBIDDEN_BACKOFF_CAP_S if e.status in (401, 403) else self.backoff_cap_s
-                self._stop.wait(backoff_delay(self._failures, self.rng, BACKOFF_BASE_S, cap))
+                self._stop.wait(retry_wait(self._failures, self.rng, BACKOFF_BASE_S, cap, e.retry_after_s))
             except Exception as e:  # never die silently: a bug here must not freeze the slices the agent sees
                 self.stats.errors += 1
                 with self._lock:

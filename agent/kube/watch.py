@@ -34,7 +34,6 @@ class WatchStats:
     errors: int = 0
 
 
-@dataclass
 class Gone(Exception):
     """The resourceVersion we hold is no longer served (HTTP 410 or a watch ERROR event with code 410)."""
 

@@ -10,11 +10,11 @@ from typing import Any
 from agent.preflight.burnin import burnin_gate
 from agent.preflight.cuda import cuda_gate
 from agent.preflight.nvlink import nvlink_gate
+from agent.preflight.process import run_in_process
 from agent.preflight.profile import Profile
 from agent.preflight.result import DEFAULT_TIMEOUTS, GATES, GateFn, GateResult
 from agent.preflight.serving import serving_gate
 from agent.preflight.spec import spec_gate
-from agent.proc import run_in_process
 
 
 class Lazy:

@@ -135,11 +135,12 @@ def main(args: argparse.Namespace) -> int:
 
 def _api(args: argparse.Namespace) -> KubeApi:
     """The Node credentials from --kubeconfig or the in-cluster config, loaded as `run` loads them
-    (runner.api_from): a missing or broken kubeconfig is one ConfigError line, never a traceback."""
+    (kube.client.connect): a missing or broken kubeconfig is one ConfigError line, never a traceback."""
     from agent import config as config_mod
-    from agent.runner import api_from
+    from agent.kube.client import connect
 
-    return api_from(config_mod.defaults(kubeconfig=args.kubeconfig))
+    cfg = config_mod.defaults(kubeconfig=args.kubeconfig)
+    return connect(cfg.kubeconfig, cfg.api_timeout)
 
 
 def _run_step(args: argparse.Namespace, profile: Profile, wanted: list[str]) -> int:

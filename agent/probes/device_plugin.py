@@ -1,7 +1,7 @@
 """What the NVIDIA device plugin advertises in the Node's capacity and allocatable, turned into the
 number of physical GPUs behind it for MIG strategies none/single/mixed and for time-slicing or MPS
 replicas. capacity = devices the plugin sees; capacity - allocatable = devices it marked unhealthy
-(kubelet devicemanager). Sources: shared/reference/gpu-signals.md section 5."""
+(kubelet devicemanager; the device plugin API, k8s.io/kubelet/pkg/apis/deviceplugin)."""
 
 from __future__ import annotations
 

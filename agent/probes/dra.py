@@ -2,7 +2,7 @@
 and matched to the GPUs on PCI, and the rule by which the device-plugin check defers to them.
 
 Facts from the NVIDIA DRA driver (kubernetes-sigs/dra-driver-nvidia-gpu:cmd/gpu-kubelet-plugin/deviceinfo.go,
-mig.go; shared/reference/frontier.md section 1.3): one pool per node; a full GPU is device `gpu-<minor>` with
+mig.go): one pool per node; a full GPU is device `gpu-<minor>` with
 attributes `type=gpu`, `uuid` and `resource.kubernetes.io/pciBusID`; a MIG device is `gpu-<minor>-mig-...` with
 `type=mig`, its own `uuid`, `parentUUID` (the GPU's uuid) and the parent's `pciBusID`. Bare attribute names are in
 the driver's domain. Driver-owned taints (`gpu.nvidia.com/xid`, `gpu-lost`) sit in `devices[].taints`.
@@ -29,17 +29,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agent.kube.client import ApiError, KubeApi
+from agent.kube.slices import DEFAULT_DRIVER, MAX_SLICES, SliceRead, read_node_slices
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason
 from agent.probes.base import ProbeContext, Shared
 from agent.probes.device_plugin import MigCounts, mig_counts, plugin_counts, probe_device_plugin
 from agent.settings import Setting, dns_subdomain, to_bool
 
-DEFAULT_DRIVER = "gpu.nvidia.com"
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 TYPE_GPU, TYPE_MIG, TYPE_VFIO = "gpu", "mig", "vfio"
-SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
-MAX_SLICES = 64  # one node's slices for one driver (the NVIDIA driver publishes one)
 MAX_DEVICES_PER_SLICE = 128  # the API's own limit
 MAX_TAINTS_PER_DEVICE = 16  # the API's own limit
 MAX_STRING = 256
@@ -116,30 +113,6 @@ class DraInventory:
     @property
     def mig_devices(self) -> int:
         return sum(1 for d in self.devices if d.type == TYPE_MIG)
-
-
-@dataclass(frozen=True)
-class SliceRead:
-    """The outcome of reading the node's slices: the raw list, or why it could not be read."""
-
-    items: Any = None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-
-def read_node_slices(api: KubeApi, node: str, driver: str = DEFAULT_DRIVER) -> SliceRead:
-    """One LIST of the node's ResourceSlices of `driver`, from the watch cache. Never raises ApiError."""
-    selector = f"spec.nodeName={node},spec.driver={driver}"
-    try:
-        obj = api.request("GET", SLICES_PATH, query={"fieldSelector": selector, "resourceVersion": "0"}, verb="LIST")
-    except ApiError as e:
-        if e.status == 404:  # the cluster serves no resource.k8s.io/v1 (before 1.34): no DRA driver
-            return SliceRead(items=[])
-        return SliceRead(error=f"cannot list ResourceSlices ({selector}): {e}")
-    return SliceRead(items=obj.get("items"))
 
 
 def node_inventory(slices: SliceRead | None, driver: str = DEFAULT_DRIVER) -> DraInventory | None:

@@ -5,7 +5,7 @@ a row-remap failure (pending remaps are reported, not a fault), NVLink links dow
 NVLink. Every call runs in a worker thread under a deadline; a call that never returns is abandoned
 and no further NVML call starts while it is stuck.
 
-For the degradation probes (issue 18) it also reads, when asked, each GPU's PCIe load (utilisation and
+For the degradation probes (docs/degradation.md) it also reads, when asked, each GPU's PCIe load (utilisation and
 link generation, probes/pcie.py), one clock-event sample (probes/clocks.py) and its UUID (to map
 dcgm-exporter series): the readings ride on the snapshot, the judging is done by those probes."""
 

@@ -75,7 +75,8 @@ class PciScanner:
     again (another inode). Each scan lists the directory (one getdents) and reads the bound driver of each GPU
     (it changes on unbind or a vfio bind); on a 202-function node that is 9 system calls instead of ~420.
     `key` names the functions of the last scan with their inodes and drivers: it changes when anything the
-    scan saw changed, for the caches built on it (PCIe link paths, device minors in checks.py)."""
+    scan saw changed, for the caches built on it (PCIe link paths in probes/pcie.py, device minors in
+    probes/device_nodes.py)."""
 
     def __init__(self, sysfs_root: str = "/sys") -> None:
         self.base = os.path.join(sysfs_root, "bus", "pci", "devices") + "/"

@@ -1,4 +1,4 @@
-"""kubelet's pod-resources API (issue 17): which container holds which device, and which devices are allocatable.
+"""kubelet's pod-resources API: which container holds which device, and which devices are allocatable.
 
 Reads `v1.PodResourcesLister/List` and `GetAllocatableResources` over the unix socket (default
 DEFAULT_SOCKET; mount the directory, kubelet re-creates the socket on restart) with the small gRPC client in

@@ -1,4 +1,4 @@
-"""Publishing the allocation map (issue 17, docs/allocation.md): metrics, the blast-radius Events on the Pods that
+"""Publishing the allocation map (docs/allocation.md): metrics, the blast-radius Events on the Pods that
 hold a slot of a GPU that turned bad, the pod count for the condition message, and the `gpu-ready gpus` table.
 Reporters only: the map comes from agent/allocation.py (built by the check suite), the health from the verdict.
 

@@ -1,5 +1,5 @@
 """Kubernetes Events (events.k8s.io/v1) on the Node, reportingController gpu-ready; and, for the blast radius of a GPU
-that turned bad (report/allocation.py), on the Pods holding it, in their namespaces, with their UIDs.
+that turned bad (report/blast_radius.py), on the Pods holding it, in their namespaces, with their UIDs.
 
 One Event per condition transition and per new fatal Xid per GPU. Repeats within `interval_s` of the
 same (reason, GPU) are not written at once: they are counted and folded into the existing Event's
@@ -13,7 +13,6 @@ apiserver refuses for good, e.g. 403 or 422: logged once per reason and code, co
 
 from __future__ import annotations
 
-import random
 import secrets
 import threading
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from agent.kube.backoff import Backoff
 from agent.kube.client import ApiError, KubeApi
 from agent.logs import get_logger
 
@@ -222,7 +222,7 @@ class EventPublisher:
         self.count_drop = on_drop
         self.retry_cap_s = retry_cap_s
         self.log = log or get_logger()
-        self.failures = 0
+        self.backoff = Backoff(retry_cap_s)
         self.state = "ok"  # "ok" or why the last write failed, logged once per change
         self.stop = threading.Event()
         self._kick = threading.Event()
@@ -270,15 +270,15 @@ class EventPublisher:
                 self.reporter.flush()
                 if self.state != "ok":
                     self.log.info("Event writes succeed again", previous=self.state)
-                self.state, self.failures = "ok", 0
+                self.state = "ok"
+                self.backoff.succeeded()
                 wait = self.reporter.due_in()
             except ApiError as e:
-                self.failures += 1
                 state = f"http_{e.status}" if e.status else "unreachable"
                 if state != self.state:
                     self.log.warning("Event write failed; retrying with backoff", state=state, error=str(e)[:300])
                 self.state = state
-                wait = min(self.retry_cap_s, 0.5 * 2 ** min(self.failures - 1, 10)) * random.uniform(0.8, 1.2)
+                wait = self.backoff.failed(e)
             except Exception as e:  # a bug here must not stop Events for good
                 self.log.exception("Event publisher error", error=str(e))
                 wait = self.retry_cap_s

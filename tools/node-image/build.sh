@@ -54,7 +54,7 @@ if ! podman image exists "$base_image"; then
 fi
 
 # -- 2. the agent image ------------------------------------------------------------------------------------
-inputs=(pyproject.toml README.md docker/Dockerfile docker/install.sh)
+inputs=(pyproject.toml README.md LICENSE docker/Dockerfile docker/install.sh)
 agent_key=$({
   echo "$base_key"
   (cd "$repo" && find agent -type f ! -path '*/__pycache__/*' ! -name '*.pyc' | LC_ALL=C sort; printf '%s\n' "${inputs[@]}") |
@@ -68,13 +68,14 @@ if [ ! -s "$agent_tar" ]; then
   trap 'rm -rf "$work"' EXIT
   # The build context: exactly the files the Dockerfile copies.
   mkdir -p "$work/ctx/docker" "$work/wheels"
-  cp -r "$repo/agent" "$repo/pyproject.toml" "$repo/README.md" "$work/ctx/"
+  cp -r "$repo/agent" "$repo/pyproject.toml" "$repo/README.md" "$repo/LICENSE" "$work/ctx/"
   cp "$repo/docker/install.sh" "$work/ctx/docker/"
   find "$work/ctx" -name __pycache__ -prune -exec rm -rf {} +
   # Wheels for the image's Python (3.11, glibc x86_64), downloaded here with the host's pip and its trust
   # settings; the build container then installs with no index and no network.
   mapfile -t reqs < <("$py" -c 'import sys, tomllib; d = tomllib.load(open(sys.argv[1], "rb"))
-print(*d["build-system"]["requires"], *d["project"]["dependencies"], sep="\n")' "$repo/pyproject.toml")
+print(*d["build-system"]["requires"], *d["project"]["dependencies"],
+      *d["project"]["optional-dependencies"]["podresources"], sep="\n")' "$repo/pyproject.toml")
   log "agent: downloading wheels for ${#reqs[@]} requirements"
   "$py" -m pip download --quiet --disable-pip-version-check --only-binary=:all: --dest "$work/wheels" \
     --python-version 3.11 --implementation cp --abi cp311 --abi abi3 --abi none \
