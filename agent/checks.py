@@ -25,6 +25,7 @@ from agent.probes.clocks import ClockEventTracker, ClocksProbe, ClockThresholds
 from agent.probes.dcgm import DcgmProbe, DcgmThresholds
 from agent.probes.device_nodes import DeviceNodesProbe, DeviceNodeThresholds
 from agent.probes.dra import DraInventory, GpuServingProbe
+from agent.probes.infiniband import InfinibandProbe
 from agent.probes.mig_config import MigConfigProbe
 from agent.probes.nvidia_smi import NvidiaSmiProbe, NvidiaSmiRunner
 from agent.probes.nvml import NvmlProbe
@@ -102,6 +103,11 @@ REGISTRY: tuple[ProbeSpec, ...] = (
         lambda cfg, shared: DcgmProbe(
             DcgmThresholds(cfg.dcgm_exporter, cfg.dcgm_required, cfg.dcgm_timeout, node_name=cfg.node_name)
         ),
+    ),
+    ProbeSpec(
+        Check.INFINIBAND,
+        lambda cfg: cfg.infiniband,
+        lambda cfg, shared: InfinibandProbe(cfg.sysfs_root, cfg.expected_nics, cfg.ib_min_rate_gbps),
     ),
     ProbeSpec(Check.POD_RESOURCES, lambda cfg: cfg.pod_resources, _allocation),
     ProbeSpec(Check.MIG_LAYOUT, always, lambda cfg, shared: MigConfigProbe(cfg.mig_pending_timeout)),

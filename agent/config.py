@@ -23,7 +23,19 @@ from agent import mig_config
 from agent.act import fencing, taints
 from agent.kernel_log import rate, xid
 from agent.kernel_log import watcher as kmsg_watcher
-from agent.probes import clocks, dcgm, device_nodes, device_plugin, dra, nvidia_smi, nvml, pci, pcie, podresources
+from agent.probes import (
+    clocks,
+    dcgm,
+    device_nodes,
+    device_plugin,
+    dra,
+    infiniband,
+    nvidia_smi,
+    nvml,
+    pci,
+    pcie,
+    podresources,
+)
 from agent.settings import (
     DAY,
     ConfigError,
@@ -101,6 +113,7 @@ SETTINGS: tuple[Setting, ...] = (
     *device_nodes.SETTINGS,
     *clocks.SETTINGS,
     *dcgm.SETTINGS,
+    *infiniband.SETTINGS,
     *device_plugin.SETTINGS,
     *dra.SETTINGS,
     *podresources.SETTINGS,
@@ -161,6 +174,9 @@ class Config:
     dcgm_exporter: str | None
     dcgm_required: bool
     dcgm_timeout: float
+    infiniband: bool
+    expected_nics: int | None
+    ib_min_rate_gbps: float | None
     mig_strategy: str
     replicas: int | None
     plugin_grace: float

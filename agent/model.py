@@ -90,6 +90,7 @@ class Check(StrEnum):
     XID_RATE = "xid_rate"
     DCGM = "dcgm"
     POD_RESOURCES = "pod_resources"  # kubelet pod-resources (the allocation map; INFO only)
+    INFINIBAND = "infiniband"  # the InfiniBand/RoCE rails (agent/probes/infiniband.py)
     MIG_LAYOUT = "mig_layout"  # nvidia.com/mig.config against the MIG instances (agent/mig_config.py)
 
 

@@ -384,6 +384,24 @@ class SimHost:
     def bind_vfio(self, addr: PciAddress) -> None:
         self.add_pci_function(addr, 0, 0x030200, 0x2330, driver="vfio-pci")
 
+    def set_ib_port(
+        self,
+        device: str,
+        port: int = 1,
+        state: str = "4: ACTIVE",
+        phys_state: str = "5: LinkUp",
+        rate: str | None = "400 Gb/sec (4X NDR)",
+    ) -> Path:
+        """An InfiniBand port under <sysfs>/class/infiniband, in the kernel's formats
+        (Documentation/ABI/stable/sysfs-class-infiniband)."""
+        d = self.sysfs / "class" / "infiniband" / device / "ports" / str(port)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "state").write_text(state + "\n")
+        (d / "phys_state").write_text(phys_state + "\n")
+        if rate is not None:
+            (d / "rate").write_text(rate + "\n")
+        return d
+
     # -- nvidia-smi ------------------------------------------------------------------------------------
 
     def set_smi(

@@ -127,3 +127,48 @@ volumeMounts:
   - name: tmp
     mountPath: /tmp
 {{- end -}}
+
+{{- /* The field manager the agent and preflight write as (the apiserver takes it from their User-Agent,
+       gpu-ready/<version>). */ -}}
+{{- define "gpu-ready.fieldManager" -}}gpu-ready{{- end -}}
+
+{{- /* CEL, true when the fieldsV1 set .n is the set .m with at most some keys gone: at each level the keys in
+       .tree.free may be missing from .n (never changed), the keys in .tree.nested are compared one level down
+       with their own tree, every other key is equal. That is all an update changes in another manager's entry:
+       the apiserver takes from it the fields the update changed. */ -}}
+{{- define "gpu-ready.cel.fieldsWithin" -}}
+{{- $n := .n }}{{ $m := .m }}{{ $nested := .tree.nested | default dict }}
+{{- $nk := keys $nested | sortAlpha }}
+{{- $skip := concat (.tree.free | default list) $nk }}
+({{ $m }}.all(k, k in {{ toJson $skip }} || (k in {{ $n }} && {{ $n }}[k] == {{ $m }}[k]))
+&& {{ $n }}.all(k, k in {{ $m }} && (k in {{ toJson $nk }} || {{ $n }}[k] == {{ $m }}[k]))
+{{- range $p := $nk }}
+&& {{ include "gpu-ready.cel.fieldsWithin" (dict "n" (printf "%s[?%s].orValue({})" $n (quote $p)) "m" (printf "%s[?%s].orValue({})" $m (quote $p)) "tree" (get $nested $p)) }}
+{{- end }})
+{{- end -}}
+
+{{- /* A policy validation: metadata.managedFields as only the apiserver changes them for a write of .tree's
+       fields (the writer's own entries, manager gpu-ready, are its own; every other manager's entry keeps its
+       identity and time and may only lose fields of .tree). A write of nodes/status cannot set managedFields
+       (the apiserver keeps the stored ones for a subresource), so only writes of the Node itself are checked. */ -}}
+{{- define "gpu-ready.policy.managedFields" -}}
+{{- $own := include "gpu-ready.fieldManager" . | quote }}
+{{- $ident := `n.?manager == m.?manager && n.?operation == m.?operation
+    && n.?subresource.orValue("") == m.?subresource.orValue("") && n.?apiVersion.orValue("") == m.?apiVersion.orValue("")
+    && n.?time == m.?time` }}
+{{- $within := include "gpu-ready.cel.fieldsWithin" (dict "n" `n.?fieldsV1.orValue({})` "m" `m.?fieldsV1.orValue({})` "tree" .tree) }}
+{{- $gone := include "gpu-ready.cel.fieldsWithin" (dict "n" `{}` "m" `m.?fieldsV1.orValue({})` "tree" .tree) }}
+- expression: >-
+    !variables.isUpdate || request.subResource != "" || (
+    oldObject.metadata.?managedFields.orValue([]).all(m, m.?manager.orValue("") == {{ $own }}
+    || object.metadata.?managedFields.orValue([]).exists(n, {{ $ident | nindent 4 }}
+    && {{ $within | nindent 4 }})
+    || {{ $gone | nindent 4 }})
+    && object.metadata.?managedFields.orValue([]).all(n, n.?manager.orValue("") == {{ $own }}
+    || oldObject.metadata.?managedFields.orValue([]).exists(m, {{ $ident | nindent 4 }}
+    && {{ $within | nindent 4 }})))
+  message: >-
+    {{ .who }} may not change metadata.managedFields (only the apiserver changes them, for the fields the write
+    changes)
+  reason: Forbidden
+{{- end -}}
