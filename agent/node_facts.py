@@ -37,7 +37,7 @@ class OwnNode:
     def __init__(self, api: KubeApi, cfg: Config, clock: Clock, log: Any, on_change: Callable[[], None]) -> None:
         assert cfg.node_name
         self.api, self.name, self.clock = api, cfg.node_name, clock
-        self.health = ApiHealth(log, cfg.retry_cap_s)
+        self.health = ApiHealth(log, cfg.retry_cap_s, mono=clock.mono)
         self.last: tuple[dict[str, Any], float] | None = None  # the last Node read, and when (mono)
         self.cache = (
             NodeCache(api, self.name, on_change=lambda _o, _n: on_change(), watch_timeout_s=cfg.node_watch_timeout)

@@ -39,30 +39,39 @@ class Publisher:
         assert cfg.node_name
         self.cfg, self.clock, self.log, self.rng, self.metrics = cfg, clock, log, rng, metrics
         node, m = cfg.node_name, metrics
-        self.condition = ConditionReporter(api, node, cfg.heartbeat_interval, ctype=cfg.condition_type)
+        self.condition = ConditionReporter(
+            api, node, cfg.heartbeat_interval, wall=clock.wall, mono=clock.mono, ctype=cfg.condition_type
+        )
         events = EventReporter(
-            api, node, cfg.event_interval, cfg.event_namespace, on_write=lambda r: m.events.labels(r).inc()
+            api,
+            node,
+            cfg.event_interval,
+            cfg.event_namespace,
+            wall=clock.wall,
+            on_write=lambda r: m.events.labels(r).inc(),
         )
         if cfg.pod_resources:  # the blast radius (docs/allocation.md): Events on the Pods, with their UIDs
             events.uid_of = PodUids(api)
         dropped = m.events_dropped
         self.events = EventPublisher(events, cfg.retry_cap_s, log, on_drop=lambda code: dropped.labels(str(code)).inc())
         self.blast = BlastRadius(node)
-        self.write_health = ApiHealth(log, cfg.retry_cap_s)
+        self.write_health = ApiHealth(log, cfg.retry_cap_s, mono=clock.mono)
         # gpu-ready's taint on this Node (docs/taints.md): its own backoff, after the condition write, so a
         # refused taint patch never delays a condition write. Never removed on shutdown.
         settings = TaintSettings(TaintMode(cfg.taints), cfg.taint_no_execute, cfg.taint_unknown_as_false, cfg.taint_key)
         self.taints = TaintReporter(
             api, node, settings, events=self.events, metrics=m.taints, retry_cap_s=cfg.retry_cap_s,
-            ctype=cfg.condition_type,
+            ctype=cfg.condition_type, wall=clock.wall, mono=clock.mono,
         )  # fmt: skip
-        self.taint_health = ApiHealth(log, cfg.retry_cap_s)  # logs the taint write's state
+        self.taint_health = ApiHealth(log, cfg.retry_cap_s, mono=clock.mono)  # logs the taint write's state
         self.fence: FenceWorker | None = None  # per-GPU DeviceTaintRules (docs/fencing.md); None when off
         if cfg.fencing:
             fs = FencingSettings(
                 True, FenceEffect(cfg.fencing_effect), cfg.dra_driver, cfg.fencing_max_rules, cfg.fencing_resync
             )
-            reporter = FenceReporter(api, node, fs, on_event=self.events.record, metrics=FenceMetrics(m.registry))
+            reporter = FenceReporter(
+                api, node, fs, on_event=self.events.record, metrics=FenceMetrics(m.registry), clock=clock.mono
+            )
             self.fence = FenceWorker(reporter, on_change=wake, log=log)
         self.first_write_at = clock.mono() + first_write_delay(rng, cfg.start_spread)
 

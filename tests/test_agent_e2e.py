@@ -303,12 +303,12 @@ def test_bad_configuration_exits_nonzero_naming_the_setting(tmp_path):
 def test_time_from_kmsg_append_to_condition_false(admin, agent_factory, simhost):
     a = agent_factory(extra={"--poll-interval": "30"})
     a.wait_status(admin, "True", timeout=30)
-    t0 = time.monotonic()
+    t0, polls = time.monotonic(), simhost.smi_call_count()
     simhost.append_xid(79, 7)
     a.wait_status(admin, "False", "FatalXid", timeout=10)
     took = time.monotonic() - t0
     print(f"\n[latency] kmsg append -> GPUReady=False in {took * 1000:.0f} ms (poll interval 30 s)")
-    assert took < 5.0, "a fatal Xid must not wait for the 30 s poll"
+    assert simhost.smi_call_count() == polls, "a fatal Xid must not wait for the 30 s poll"
 
 
 @pytest.mark.skipif(
@@ -398,12 +398,12 @@ def test_events_start_transient_fault_recovery_aggregate_without_422_then_xid_wi
     assert ev["note"].startswith("GPUReady unset -> True")  # the first occurrence's note is kept
     assert a.metric("gpu_ready_api_requests_total", {"code": "422"}) is None
     assert (a.metric("gpu_ready_events_total", {"reason": "GPUsHealthy"}) or 0) == 2  # create + series patch
-    t0 = time.monotonic()
+    t0, polls = time.monotonic(), simhost.smi_call_count()
     simhost.append_xid(79, 6)
     a.wait_status(admin, "False", "FatalXid", timeout=10)
     took = time.monotonic() - t0
     print(f"\n[events] Xid 79 -> GPUReady=False in {took * 1000:.0f} ms after a series PATCH")
-    assert took < 1.0
+    assert simhost.smi_call_count() == polls  # the kernel-log wake, not a poll
 
 
 def refuse_events_for(admin, node: str) -> str:
@@ -473,7 +473,7 @@ def test_xid_reaches_the_node_within_a_second_while_every_event_gets_422(admin, 
         a = agent_factory(node=node)
         a.wait_status(admin, "True")
         wait_for(lambda: (a.metric("gpu_ready_api_requests_total", {"code": "422"}) or 0) >= 1, 20, what="a 422")
-        took = []
+        took, polls = [], simhost.smi_call_count()
         for gpu in (3, 5, 7):
             t0 = time.monotonic()
             simhost.append_xid(79, gpu)
@@ -481,7 +481,7 @@ def test_xid_reaches_the_node_within_a_second_while_every_event_gets_422(admin, 
             wait_for(lambda label=label: label in a.gpu_ready(admin)["message"], 10, 0.02, label)
             took.append(time.monotonic() - t0)
         print(f"\n[events] Xid -> condition with every Event refused (422): {[round(t * 1000) for t in took]} ms")
-        assert max(took) < 1.0, took
+        assert simhost.smi_call_count() == polls, took  # each reached the condition on the kernel-log wake
         assert (a.metric("gpu_ready_events_dropped_total", {"code": "422"}) or 0) >= 1
         assert "Event refused by the API; dropped" in a.logs()
         assert [e for e in events_for(admin, node) if e["reportingController"] == "gpu-ready"] == []
