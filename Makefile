@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev testbin test e2e test-fast lint demo bench chart-lint clean gpu-smoke protos
+.PHONY: dev testbin test e2e test-fast lint demo bench chart-lint clean gpu-smoke protos docs
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -58,6 +58,10 @@ protos: dev
 	# so that the generated *_pb2_grpc.py imports `from testkit.proto import ...`
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
 		testkit/proto/deviceplugin_v1beta1.proto
+
+## docs: write docs/configuration.md's settings table from the settings rows (a test checks it is current)
+docs: dev
+	$(BIN)/python -c "from agent.config import write_settings_table as w; w('docs/configuration.md')"
 
 ## bench: the benchmarks in bench/, one summary table
 bench: dev testbin

@@ -222,6 +222,37 @@ class Config:
         return 3 * self.poll_interval + self.nvidia_smi_timeout
 
 
+DOC_BEGIN = "<!-- the settings table: made from SETTINGS by `make docs`; a test checks it -->"
+DOC_END = "<!-- end of the settings table -->"
+
+
+def settings_table() -> str:
+    """docs/configuration.md's table, from the rows: every public setting in SETTINGS' order."""
+
+    def shown(v: Any) -> str:
+        return repr(list(v) if isinstance(v, tuple) else v)
+
+    out = ["| flag | environment | file key | default | meaning |", "|---|---|---|---|---|"]
+    for s in SETTINGS:
+        if s.public:
+            env = f"`{s.env_name}`" + (f" or `{s.env}`" if s.env else "")
+            out.append(f"| `{s.flag}` | {env} | `{s.file_key}` | `{shown(s.default)}` | {s.help} |")
+    return "\n".join(out)
+
+
+def write_settings_table(path: str) -> bool:
+    """Writes the table between DOC_BEGIN and DOC_END in `path`; True when the file changed."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    head, _, rest = text.partition(DOC_BEGIN + "\n")
+    _, _, tail = rest.partition(DOC_END)
+    new = f"{head}{DOC_BEGIN}\n{settings_table()}\n{DOC_END}{tail}"
+    if new != text:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(new)
+    return new != text
+
+
 def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
     parser.add_argument("--config", help="YAML or JSON settings file (keys in camelCase, e.g. pollInterval)")
     for s in SETTINGS:

@@ -156,6 +156,7 @@ SETTINGS = (
         "mig_pending_timeout",
         positive(to_float, DAY),
         600.0,
-        "seconds nvidia.com/mig.config.state may stay pending before it is a MigConfigFailed fault",
+        "seconds nvidia.com/mig.config.state may stay pending before it is a MigConfigFailed fault "
+        "(docs/allocation.md)",
     ),
 )

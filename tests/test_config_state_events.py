@@ -231,6 +231,8 @@ def test_configuration_doc_lists_every_setting():
     for s in config.SETTINGS:
         listed = f"| `{s.flag}` | `{s.env_name}`" in doc and f"`{s.file_key}`" in doc
         assert listed == s.public, s.name  # a test seam (public=False) is not a setting a user sets
+    # the table is the one the rows make (`make docs`): a row changed in code and not in the doc fails here
+    assert f"{config.DOC_BEGIN}\n{config.settings_table()}\n{config.DOC_END}" in doc
 
 
 # -- the state file cannot silently stop persisting ----------------------------------------------------

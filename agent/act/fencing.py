@@ -721,8 +721,13 @@ SETTINGS = (
         "fencing_effect",
         choice_exact("None", "NoSchedule", "NoExecute"),
         "None",
-        "effect of the DeviceTaintRules: None (dry run), NoSchedule or NoExecute (evicts pods)",
+        "effect of the DeviceTaintRules: None (dry run), NoSchedule or NoExecute (evicts pods); spelled exactly",
     ),
-    Setting("fencing_max_rules", in_range(to_int, 1, 1024), 128, "DeviceTaintRules per node at most"),
-    Setting("fencing_resync", positive(to_float, DAY), 300.0, "re-list the DeviceTaintRules this often, seconds"),
+    Setting("fencing_max_rules", in_range(to_int, 1, 1024), 128, "DeviceTaintRules per node at most (1 to 1024)"),
+    Setting(
+        "fencing_resync",
+        positive(to_float, DAY),
+        300.0,
+        "re-list the DeviceTaintRules this often, seconds (while the verdict asks for the same rules)",
+    ),
 )

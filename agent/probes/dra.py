@@ -438,6 +438,12 @@ class GpuServingProbe:
 
 
 SETTINGS = (
-    Setting("dra_counting", to_bool, True, "count GPUs from the node's DRA ResourceSlices where they exist"),
+    Setting(
+        "dra_counting",
+        to_bool,
+        True,
+        "count GPUs from the node's DRA ResourceSlices where they exist (the device-plugin check defers to them; "
+        "docs/fencing.md)",
+    ),
     Setting("dra_driver", dns_subdomain, "gpu.nvidia.com", "DRA driver whose devices are counted and fenced"),
 )

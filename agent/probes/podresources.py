@@ -284,13 +284,23 @@ class AllocationProbe:
 
 
 SETTINGS = (
-    Setting("pod_resources", to_bool, False, "read kubelet's pod-resources API each poll: which pods hold which GPU"),
+    Setting(
+        "pod_resources",
+        to_bool,
+        False,
+        "read kubelet's pod-resources API each poll: which pods hold which GPU (docs/allocation.md)",
+    ),
     Setting(
         "pod_resources_socket",
         absolute_path,
         DEFAULT_SOCKET,
         "kubelet's pod-resources socket (mount its directory: kubelet re-creates the socket)",
     ),
-    Setting("pod_resources_interval", positive(to_float, DAY), 1.0, "read pod-resources at most this often, seconds"),
+    Setting(
+        "pod_resources_interval",
+        positive(to_float, DAY),
+        1.0,
+        "read pod-resources at most this often, seconds (kubelet rate-limits the endpoint)",
+    ),
     Setting("pod_resources_timeout", positive(to_float, 600), 5.0, "timeout for one pod-resources call, seconds"),
 )

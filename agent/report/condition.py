@@ -13,8 +13,24 @@ from typing import Any
 
 from agent.kube.client import KubeApi
 from agent.model import Verdict
+from agent.verdict import MESSAGE_LIMIT
 
 CONDITION_TYPE = "GPUReady"
+# The chart's admission policy refuses a condition message over this many bytes (admission-policy.yaml), so that
+# the condition can never hold the Node near etcd's request limit; the agent's own stay within MESSAGE_LIMIT.
+POLICY_MESSAGE_LIMIT = 1024
+assert MESSAGE_LIMIT <= POLICY_MESSAGE_LIMIT
+
+
+def fit_message(message: str, limit: int = MESSAGE_LIMIT) -> str:
+    """`message` if it fits in `limit` bytes (UTF-8), else its head and how much was cut:
+    "<head>… (+N bytes cut)". The verdict's messages are built to fit already; this is the last guard."""
+    data = message.encode()
+    if len(data) <= limit:
+        return message
+    tail = f"… (+{len(data)} bytes cut)"  # an upper bound on the digits; corrected below
+    head = data[: max(0, limit - len(tail.encode()))].decode("utf-8", "ignore")
+    return f"{head}… (+{len(data) - len(head.encode())} bytes cut)"
 
 
 def rfc3339(ts: float) -> str:
@@ -72,7 +88,7 @@ class ConditionReporter:
             "type": self.ctype,
             "status": v.status.value,
             "reason": v.reason.value,
-            "message": v.message,
+            "message": fit_message(v.message),
             "lastHeartbeatTime": now,
             "lastTransitionTime": transition,
         }

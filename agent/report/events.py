@@ -1,5 +1,7 @@
-"""Kubernetes Events (events.k8s.io/v1) on the Node, reportingController gpu-ready; and, for the blast radius of a GPU
-that turned bad (report/blast_radius.py), on the Pods holding it, in their namespaces, with their UIDs.
+"""Kubernetes Events (events.k8s.io/v1) on the Node, reportingController gpu-ready, reportingInstance
+gpu-ready-<node>: the only Events the chart's admission policy lets the token write. The blast radius of a GPU that
+turned bad (report/blast_radius.py) is told on the Node too, one Event per pod holding it, naming the pod: the
+policy cannot read a Pod to check that it runs on this node, so the agent writes no Events about Pods.
 
 One Event per condition transition and per new fatal Xid per GPU. Repeats within `interval_s` of the
 same (reason, GPU) are not written at once: they are counted and folded into the existing Event's
@@ -42,7 +44,6 @@ def is_permanent(e: ApiError) -> bool:
 @dataclass
 class _Slot:
     name: str | None = None  # the Event object written for this key
-    namespace: str | None = None  # where it was written (None: the reporter's namespace)
     first: float = 0.0
     last_write: float = 0.0
     count: int = 0  # occurrences folded into the Event so far
@@ -58,7 +59,6 @@ class PendingEvent:
     type: str
     action: str
     at: float
-    regarding: dict[str, Any] | None = None  # a Pod (blast radius, namespace + name); None: the Node
 
 
 @dataclass
@@ -73,7 +73,6 @@ class EventReporter:
     slots: dict[tuple[str, str], _Slot] = field(default_factory=dict)
     queue: list[PendingEvent] = field(default_factory=list)
     on_drop: Callable[[PendingEvent | None, ApiError], None] | None = None
-    uid_of: Callable[[str, str], str | None] | None = None  # a Pod's UID (namespace, name); None: unknown
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(
@@ -83,12 +82,10 @@ class EventReporter:
         gpu: str = "",
         type_: str = "Warning",
         action: str = "Detected",
-        regarding: dict[str, Any] | None = None,
     ) -> None:
-        """Notes an occurrence; nothing is written until flush(). `regarding`: a Pod ({namespace, name}: the Event
-        goes to the Pod's namespace, its UID read with `uid_of`); `gpu` is then the aggregation key."""
+        """Notes an occurrence; nothing is written until flush(). `gpu` is the aggregation key with `reason`."""
         with self._lock:
-            self.queue.append(PendingEvent(reason, gpu, note[:1000], type_, action, self.wall(), regarding))
+            self.queue.append(PendingEvent(reason, gpu, note[:1000], type_, action, self.wall()))
             if len(self.queue) > QUEUE_LIMIT:  # a storm: keep the newest per key, counts are kept in the slots
                 self._compact()
 
@@ -162,17 +159,9 @@ class EventReporter:
             ref["uid"] = self.node_uid
         return ref
 
-    def _pod_regarding(self, ref: dict[str, Any]) -> dict[str, Any]:
-        out = {"apiVersion": "v1", "kind": "Pod", "namespace": str(ref["namespace"]), "name": str(ref["name"])}
-        uid = ref.get("uid") or (self.uid_of(out["namespace"], out["name"]) if self.uid_of else None)
-        if uid:
-            out["uid"] = uid
-        return out
-
     def _create(self, p: PendingEvent, slot: _Slot) -> None:
         name = f"{self.node}.{secrets.token_hex(8)}"
-        regarding = self._pod_regarding(p.regarding) if p.regarding else self._regarding()
-        namespace = regarding["namespace"] if p.regarding else self.namespace
+        namespace = self.namespace
         body = {
             "apiVersion": "events.k8s.io/v1",
             "kind": "Event",
@@ -182,12 +171,11 @@ class EventReporter:
             "reportingInstance": f"{CONTROLLER}-{self.node}"[:128],
             "action": p.action,
             "reason": p.reason,
-            "regarding": regarding,
+            "regarding": self._regarding(),
             "note": p.note,
             "type": p.type,
         }
         self.api.create_event(namespace, body)
-        slot.namespace = namespace
         slot.name, slot.first, slot.last_write, slot.count, slot.pending = name, p.at, self.wall(), 1, 0
         slot.last_seen = p.at
         if self.on_write:
@@ -198,7 +186,7 @@ class EventReporter:
         count = slot.count + slot.pending
         # Only `series` may change on an events.k8s.io/v1 Event; the note of the first occurrence stays.
         self.api.patch_event(
-            slot.namespace or self.namespace,
+            self.namespace,
             slot.name,
             {"series": {"count": count, "lastObservedTime": micro_time(slot.last_seen or now)}},
         )
@@ -237,9 +225,8 @@ class EventPublisher:
         gpu: str = "",
         type_: str = "Warning",
         action: str = "Detected",
-        regarding: dict[str, Any] | None = None,
     ) -> None:
-        self.reporter.record(reason, note, gpu, type_, action, regarding)
+        self.reporter.record(reason, note, gpu, type_, action)
         self._kick.set()
 
     def start(self) -> EventPublisher:
