@@ -4,12 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev testbin test e2e test-fast lint demo bench chart-lint clean gpu-smoke protos docs
+.PHONY: dev testbin test e2e test-fast lint demo bench chart-lint clean gpu-smoke protos docs lock release-dry-run
 
-$(STAMP): pyproject.toml
+# The runtime set at the versions requirements/runtime.lock pins (what the image installs), as plain constraints.
+$(STAMP): pyproject.toml requirements/runtime.lock
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	sed -n -E 's/^([A-Za-z0-9][A-Za-z0-9._-]*==[^ ;\\]+).*/\1/p' requirements/runtime.lock >$(VENV)/runtime-constraints.txt
+	$(BIN)/pip install -q -e '.[dev]' -c $(VENV)/runtime-constraints.txt
 	touch $(STAMP)
 
 ## dev: create .venv and install gpu-ready with its development dependencies
@@ -36,13 +38,14 @@ test-fast: dev
 
 ## lint: ruff (check + format), mypy, import-linter (module boundaries)
 lint: dev
-	$(BIN)/ruff check agent tests bench testkit
-	$(BIN)/ruff format --check agent tests bench testkit
+	$(BIN)/ruff check agent tests bench testkit tools/release
+	$(BIN)/ruff format --check agent tests bench testkit tools/release
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
 ## demo: local control plane + simulated GPU node + the real agent: healthy -> ERR! -> Xid 79 -> clear
-demo: dev testbin
+demo: dev
+	tools/k8s-testbin/build.sh demo >/dev/null
 	$(BIN)/python -m testkit.demo
 
 ## gpu-smoke: on a machine with NVIDIA GPUs, capture nvidia-smi and run check + preflight into one folder
@@ -62,6 +65,16 @@ protos: dev
 ## docs: write docs/configuration.md's settings table from the settings rows (a test checks it is current)
 docs: dev
 	$(BIN)/python -c "from agent.config import write_settings_table as w; w('docs/configuration.md')"
+
+## lock: re-resolve requirements/runtime.lock (the image's runtime set, pinned and hashed) after a dependency change
+lock:
+	tools/release/lock.sh
+
+## release-dry-run: the release workflow's steps here, pushing nothing: the image (registry-free build), its digest,
+##   the chart packaged for RELEASE_VERSION (default agent.__version__) and rendered by digest, the SBOM checked
+##   against the lock, the light client path on in the image (root; what `make e2e` needs). docs/release.md
+release-dry-run: dev testbin
+	tools/release/dry-run.sh $(RELEASE_VERSION)
 
 ## bench: the benchmarks in bench/, one summary table
 bench: dev testbin

@@ -4,7 +4,10 @@
 # A second run with the same versions costs nothing.
 #
 #   tools/k8s-testbin/build.sh            # build what is missing, print the bin dir
+#   tools/k8s-testbin/build.sh demo       # only what `make demo` starts: kube-apiserver, etcd, kube-scheduler
 #   GPU_READY_TESTBIN=/path  ...          # override the cache root
+# Two runs at once (two `make` targets, CI beside a developer) take turns on a lock in the cache root; each
+# build writes to a temporary name of its own and renames it into place, so a binary is whole or absent.
 set -euo pipefail
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 
@@ -17,14 +20,21 @@ cache_root=${GPU_READY_TESTBIN:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-ready-testbi
 bin="$cache_root/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-helm-$HELM_VERSION"
 mkdir -p "$bin"
 log() { echo "[k8s-testbin] $*" >&2; }
+only=${1:-all}
+case "$only" in all | demo) ;; *) echo "usage: $0 [all|demo]" >&2; exit 2 ;; esac
+exec 9>"$cache_root/.build.lock"
+if ! flock -n 9; then
+  log "another build holds $cache_root/.build.lock; waiting for it"
+  flock 9
+fi
 
 build() {  # build <output> <package> [ldflags]
   local out=$1 pkg=$2 ld=${3:-}
   if [ -x "$bin/$out" ]; then log "$out: cached"; return; fi
   log "$out: building $pkg (first time on this machine; cached afterwards)"
   local start=$SECONDS
-  (cd "$here" && go build -trimpath -ldflags "-s -w $ld" -o "$bin/$out.tmp" "$pkg")
-  mv "$bin/$out.tmp" "$bin/$out"
+  (cd "$here" && go build -trimpath -ldflags "-s -w $ld" -o "$bin/$out.tmp.$$" "$pkg")
+  mv "$bin/$out.tmp.$$" "$bin/$out"
   log "$out: built in $((SECONDS - start)) s"
 }
 
@@ -35,13 +45,24 @@ build etcd go.etcd.io/etcd/server/v3
 # (NoSchedule) and the real taint-eviction controller (NoExecute).
 k8s_ld="-X k8s.io/component-base/version.gitVersion=v$K8S_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$MINOR"
 build kube-scheduler k8s.io/kubernetes/cmd/kube-scheduler "$k8s_ld"
+if [ "$only" = demo ]; then
+  echo "$bin"
+  exit 0
+fi
 build kube-controller-manager k8s.io/kubernetes/cmd/kube-controller-manager "$k8s_ld"
 # kubelet (same module) for the real-node tests.
 build kubelet k8s.io/kubernetes/cmd/kubelet "$k8s_ld"
 
-if [ ! -x "$bin/helm" ]; then
-  log "helm: go install helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
-  GOBIN="$bin" go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+# helm's default Kubernetes version (what `helm template` and `lint` assume without --kube-version) set to the
+# one the tests run, instead of the v1.20 a plain `go install` gives.
+if [ ! -x "$bin/helm" ] || [ "$(cat "$bin/helm.kube-version" 2>/dev/null)" != "1.$MINOR" ]; then
+  log "helm: go install helm.sh/helm/v3/cmd/helm@$HELM_VERSION (default Kubernetes 1.$MINOR)"
+  tmp=$(mktemp -d)
+  GOBIN="$tmp" go install -ldflags "-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 \
+    -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$MINOR" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  mv "$tmp/helm" "$bin/helm.tmp.$$" && mv "$bin/helm.tmp.$$" "$bin/helm"
+  rmdir "$tmp"
+  echo "1.$MINOR" > "$bin/helm.kube-version"
 fi
 
 # promtool + prometheus from Debian's package, extracted without installing the service.
@@ -66,7 +87,7 @@ if [ ! -f "$crds/monitoring.coreos.com_prometheusrules.yaml" ]; then
     "$here/../crdgen/go.mod")
   (cd "$here/../crdgen" && go tool controller-gen crd:maxDescLen=0 \
     "paths=github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1" \
-    "output:crd:dir=$crds.tmp") && mv "$crds.tmp" "$crds"
+    "output:crd:dir=$crds.tmp.$$") && mv "$crds.tmp.$$" "$crds"
   echo "$mon" > "$crds/VERSION"
 fi
 echo "$bin"
