@@ -123,7 +123,7 @@ class Env:
             *head, last = key.split(".")
             for h in head:
                 d = d.setdefault(h, {})
-            d[last] = d[last] + val if isinstance(val, list) and isinstance(d.get(last), list) else val  # lists add
+            d[last] = d[last] + val if key == "agent.extraEnv" else val  # the env entries add to the test's own
         path = self.workdir / f"values-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(v))
         return path
