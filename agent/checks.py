@@ -111,7 +111,7 @@ REGISTRY: tuple[ProbeSpec, ...] = (
     ),
     ProbeSpec(Check.POD_RESOURCES, lambda cfg: cfg.pod_resources, _allocation),
     ProbeSpec(Check.MIG_LAYOUT, always, lambda cfg, shared: MigConfigProbe(cfg.mig_pending_timeout)),
-    ProbeSpec(Check.XID, always, lambda cfg, shared: KernelLogProbe(shared.kernel_log)),
+    ProbeSpec(Check.XID, always, lambda cfg, shared: KernelLogProbe(shared.kernel_log, shared.latch_store)),
 )
 COUNT_NAMES = frozenset(f.name for f in fields(Counts))
 
@@ -157,6 +157,7 @@ class CheckSuite:
         api: KubeApi | None = None,
         *,
         kernel_log: Callable[[], str | None] = lambda: None,
+        latch_store: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.cfg, self.clock = cfg, clock
         self.shared = Shared(
@@ -168,6 +169,7 @@ class CheckSuite:
             api=api,
             started=clock(),
             kernel_log=kernel_log,
+            latch_store=latch_store,
         )
         given = {Check.NVML: nvml_reads(cfg, nvml)} if nvml is not None else None
         self.probes: Sequence[Probe] = build_probes(cfg, self.shared, given)

@@ -21,6 +21,7 @@ from agent.logs import setup_logging
 from agent.model import LatchedFault, Observation, Status, Verdict, XidEvent
 from agent.report.blast_radius import gpus_json, render_gpus
 from agent.report.condition import on_node, render_on_node
+from agent.settings import load_json, read_text_file
 from agent.verdict import decide
 
 EXIT = {Status.TRUE: 0, Status.FALSE: 1, Status.UNKNOWN: 2}
@@ -185,15 +186,12 @@ NODE_JSON_LIMIT = 16 << 20  # bytes; a Node object is a few KiB
 def read_node_json(path: str) -> dict[str, Any]:
     """A saved `kubectl get node -o json`; ValueError (one line) when it is not a Node-shaped object."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read(NODE_JSON_LIMIT + 1)
+        text = read_text_file(path, NODE_JSON_LIMIT)  # a FIFO or a device is refused, never waited on
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(getattr(e, "strerror", None) or str(e)) from None
-    if len(text) > NODE_JSON_LIMIT:
-        raise ValueError(f"larger than {NODE_JSON_LIMIT} bytes")
     try:
-        node = json.loads(text)
-    except (ValueError, RecursionError) as e:
+        node = load_json(text)
+    except ValueError as e:
         raise ValueError(f"not JSON: {str(e)[:100]}") from None
     if not isinstance(node, dict) or node.get("kind") not in (None, "Node"):
         raise ValueError("not a Node object")

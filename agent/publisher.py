@@ -3,7 +3,8 @@
 1. fencing (act/fencing.py) gets the verdict on its own thread and never delays the condition; the devices fenced
    so far are named in the message;
 2. the message names the pods on the affected GPUs (report/blast_radius.py); metrics follow the verdict;
-3. Events: one per pod holding a GPU that turned bad, one per freshly latched kernel-log fault;
+3. Events (on the Node): one per pod holding a GPU that turned bad, naming it; one per freshly latched
+   kernel-log fault;
 4. the condition (report/condition.py), under its own backoff and the first write's start-up spread;
 5. the own taint (act/taints.py), after the condition, from the freshest Node copy.
 
@@ -25,7 +26,7 @@ from agent.kube.client import ApiError, KubeApi
 from agent.model import GpuIdentity, PciAddress, Reason, Status, Verdict, XidEvent
 from agent.probes.dra import DraInventory
 from agent.report.blast_radius import EVENT_REASON as POD_EVENT_REASON
-from agent.report.blast_radius import BlastRadius, PodUids, affected_note
+from agent.report.blast_radius import BlastRadius, affected_note
 from agent.report.condition import ConditionReporter
 from agent.report.events import EventPublisher, EventReporter
 from agent.report.metrics import Metrics
@@ -50,8 +51,6 @@ class Publisher:
             wall=clock.wall,
             on_write=lambda r: m.events.labels(r).inc(),
         )
-        if cfg.pod_resources:  # the blast radius (docs/allocation.md): Events on the Pods, with their UIDs
-            events.uid_of = PodUids(api)
         dropped = m.events_dropped
         self.events = EventPublisher(events, cfg.retry_cap_s, log, on_drop=lambda code: dropped.labels(str(code)).inc())
         self.blast = BlastRadius(node)
@@ -113,8 +112,8 @@ class Publisher:
             v = with_note(v, self.fence.summary())
         v = with_note(v, affected_note(v, allocation))  # "...; 3 pods on the affected GPUs"
         self.metrics.publish(v, latched)
-        for pe in self.blast.step(v, allocation):  # one Event per pod holding a GPU that turned bad
-            self.events.record(POD_EVENT_REASON, pe.note, pe.key, "Warning", "Detected", pe.regarding())
+        for pe in self.blast.step(v, allocation):  # one Event (on the Node) per pod holding a GPU that turned bad
+            self.events.record(POD_EVENT_REASON, pe.note, pe.key, "Warning", "Detected")
         for ev in fresh:
             where = gpu_label(ev.address, gpus) if ev.address else f"NVSwitch {ev.raw_address}"
             kind = "SXid" if ev.source == "sxid" else "Xid"

@@ -21,7 +21,7 @@ from agent.config import Config, ConfigError
 from agent.http import HealthServer
 from agent.kernel_log.watcher import KernelLogIngest, KmsgSource, KmsgWatcher
 from agent.kernel_log.xid import KernelLogParser, XidClassifier
-from agent.kube.client import KubeApi, connect
+from agent.kube.client import KubeApi, client_layer, connect
 from agent.kube.node_cache import NodeCache
 from agent.kube.slice_cache import SliceCache
 from agent.logs import get_logger
@@ -44,6 +44,7 @@ class Agent:
         self.log = get_logger(node=self.node)
         self.metrics = m = metrics or Metrics()
         self.api = api or connect(cfg.kubeconfig, cfg.api_timeout)
+        m.light_client.set(1 if client_layer().light else 0)
         self.api.on_request = self.api.on_request or m.api_request
         self.api.metadata_answers = True  # status patches: the answer is never read, so only its metadata
         self.stop, self.wake, self.node_changed = threading.Event(), threading.Event(), threading.Event()
@@ -51,7 +52,9 @@ class Agent:
         self.state = LatchState(
             cfg.state_dir, read_boot_id(cfg.boot_id_file), on_write_failure=lambda _: m.state_write_failures.inc()
         )
-        self.suite = CheckSuite(cfg, clock=clock.mono, api=self.api, kernel_log=lambda: self.kmsg.problem)
+        self.suite = CheckSuite(
+            cfg, clock=clock.mono, api=self.api, kernel_log=lambda: self.kmsg.problem, latch_store=self._unsaved
+        )
         parser = KernelLogParser(XidClassifier(cfg.xid_fatal, cfg.xid_ignore, cfg.unknown_xid_fatal))
         ingest = KernelLogIngest(parser, self.state, m, rate=self.suite.xid_rate, clock=clock.mono)
         self.kmsg = KmsgWatcher(KmsgSource(cfg.kmsg, cfg.kmsg_trust_user), ingest, m, self.wake.set, cfg.poll_interval)
@@ -88,6 +91,11 @@ class Agent:
         if self.state.write_problem:  # a restart would lose the latches kept only in memory
             return False, f"latched faults are not persisted: {self.state.write_problem}"
         return True, f"ok: last cycle {age:.1f}s ago"
+
+    def _unsaved(self) -> str | None:
+        """The state file's write problem while the Node does not show True yet: never start reporting True while
+        a latch would not survive a restart (once True, /healthz carries it)."""
+        return self.state.write_problem if self.condition.sent_status != "True" else None
 
     def ready(self) -> tuple[bool, str]:
         if self.cycles == 0:
@@ -207,7 +215,12 @@ def main(args: argparse.Namespace) -> int:
     agent = Agent(cfg)
     stop = on_stop_signals(lambda name: agent.log.info("signal received; shutting down", signal=name))
     agent.log.info(
-        "gpu-ready starting", poll_interval=cfg.poll_interval, kmsg=cfg.kmsg, nvml=cfg.nvml, state_dir=cfg.state_dir
+        "gpu-ready starting",
+        poll_interval=cfg.poll_interval,
+        kmsg=cfg.kmsg,
+        nvml=cfg.nvml,
+        state_dir=cfg.state_dir,
+        light_client=client_layer().light,  # False: the whole kubernetes client was imported (+30 MiB)
     )
     try:
         agent.start()

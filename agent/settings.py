@@ -436,3 +436,53 @@ class Setting:
     def file_key(self) -> str:
         head, *rest = self.name.split("_")
         return head + "".join(w.capitalize() for w in rest)
+
+
+# -- names the chart's admission policies exempt for gpu-ready's token: never someone else's ------------------
+
+# Kubelet's own Node conditions: the policy lets the agent's token write only its condition type.
+KUBELET_CONDITIONS = frozenset({"Ready", "MemoryPressure", "DiskPressure", "PIDPressure", "NetworkUnavailable"})
+# Taint keys of others the agent's DaemonSet tolerates or that other controllers own.
+FOREIGN_TAINTS = frozenset(
+    {"nvidia.com/gpu", "CriticalAddonsOnly", "ToBeDeletedByClusterAutoscaler", "DeletionCandidateOfClusterAutoscaler"}
+)
+# Labels of others that preflight's label must not be: GPU feature discovery's, which the DaemonSet selects on.
+FOREIGN_LABELS = frozenset({"nvidia.com/gpu.present"})
+# Prefixes under kubernetes.io that are made for taint keys of one's own: Cluster Autoscaler's startup, status and
+# ignore taints (docs/taints.md: a node joins with startup-taint.cluster-autoscaler.kubernetes.io/<name>).
+OWN_TAINT_PREFIXES = tuple(
+    f"{kind}-taint.cluster-autoscaler.kubernetes.io/" for kind in ("startup", "status", "ignore")
+)
+
+
+def reserved_prefix(name: str) -> str | None:
+    """The Kubernetes-reserved prefix of a qualified name (`kubernetes.io/`, `k8s.io/` or a subdomain of either,
+    e.g. node.kubernetes.io/, node-role.kubernetes.io/), or None."""
+    prefix, slash, _ = name.rpartition("/")
+    if slash and any(prefix == d or prefix.endswith("." + d) for d in ("kubernetes.io", "k8s.io")):
+        return prefix + "/"
+    return None
+
+
+def _not_foreign(
+    conv: Callable[[Any], str], what: str, foreign: frozenset[str], own_prefixes: tuple[str, ...] = ()
+) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        s = conv(v)
+        if s in foreign:
+            raise ValueError(
+                f"{s!r} is not gpu-ready's to use as {what}: the admission policy would give it to the token"
+            )
+        reserved = reserved_prefix(s)
+        if reserved and not s.startswith(own_prefixes):
+            raise ValueError(f"{s!r} is under {reserved}, reserved for Kubernetes: not allowed as {what}")
+        return s
+
+    return check
+
+
+# The converters of conditionType, taintKey and preflightLabel (and preflight's --needs-label): the chart refuses the
+# same names (templates/_helpers.tpl gpu-ready.validateNames).
+own_condition_type = _not_foreign(qualified_name, "the condition type", KUBELET_CONDITIONS)
+own_taint_key = _not_foreign(qualified_name, "the taint key", FOREIGN_TAINTS, OWN_TAINT_PREFIXES)
+own_label_key = _not_foreign(label_key, "preflight's label", FOREIGN_LABELS)

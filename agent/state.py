@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -30,11 +31,20 @@ STATE_VERSION = 1
 
 
 def read_boot_id(path: str) -> str:
+    """The boot ID; "unknown" when it cannot be read, and for anything but a regular file (a FIFO would block
+    the loop, a device never ends)."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            return fh.read(128).strip() or "unknown"
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return "unknown"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "unknown"
+        return os.read(fd, 128).decode("utf-8", "replace").strip() or "unknown"
+    except OSError:
+        return "unknown"
+    finally:
+        os.close(fd)
 
 
 def read_boot_time(stat_path: str = "/proc/stat") -> float | None:

@@ -6,7 +6,13 @@ set -eu
 prefix=${1:?usage: install.sh PREFIX [SRC]}
 src=${2:-$(cd "$(dirname "$0")/.." && pwd)}
 python3 -m venv "$prefix"
-"$prefix/bin/python" -m pip install --no-cache-dir --disable-pip-version-check --quiet "$src[podresources]"
+pip="$prefix/bin/python -m pip --no-cache-dir --disable-pip-version-check --quiet"
+# The runtime set (the dependencies and the podresources extra) exactly as requirements/runtime.lock pins it, each
+# file checked against the lock's hashes, wheels only; then gpu-ready itself without dependencies, so nothing
+# unpinned comes in (pip check: the lock holds every dependency gpu-ready declares).
+$pip install --require-hashes --only-binary=:all: -r "$src/requirements/runtime.lock"
+$pip install --no-deps "$src"
+"$prefix/bin/python" -m pip check --disable-pip-version-check >/dev/null
 # Bytecode compiled once here, optimised: without column tables (PYTHONNODEBUGRANGES: smaller code
 # objects in memory), as the plain .pyc and as the -OO one (no docstrings or asserts) that an interpreter run
 # with PYTHONOPTIMIZE=2 loads. The image runs with PYTHONDONTWRITEBYTECODE, so nothing is compiled at run time.

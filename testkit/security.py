@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from agent.kube.client import ApiError
+from agent.kube.client import ApiError, KubeApi
 
 
 def denied_by(message: str) -> str:
@@ -27,3 +27,11 @@ def denied_by_policy(fn: Callable[[], Any], policy: str) -> bool:
             return True
         raise
     return False
+
+
+def client_as(cp: Any, user_agent: str) -> KubeApi:
+    """An admin client whose writes the apiserver records under another field manager (the first word of the
+    User-Agent): kubelet/..., kubectl/..., so that a Node's managedFields look like a real cluster's."""
+    api: KubeApi = cp.admin()
+    api.user_agent = user_agent
+    return api

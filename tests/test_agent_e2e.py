@@ -157,7 +157,9 @@ def test_unwritable_state_dir_is_visible_and_a_restart_after_rollover_is_not_tru
     blocker.write_text("")
     extra = {"--state-dir": str(blocker / "state")}
     a = agent_factory(extra=extra)
-    a.wait_status(admin, "True")
+    # never True while a latch would not survive a restart: could not check, naming why
+    a.wait_status(admin, "Unknown", "CheckFailed")
+    assert "latched faults cannot be saved" in a.gpu_ready(admin)["message"]
     simhost.append_xid(48, 1, "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer")
     a.wait_status(admin, "False", "FatalXid")
     wait_for(lambda: (a.metric("gpu_ready_state_write_failures_total") or 0) >= 1, 20, what="failure counted")
@@ -180,6 +182,8 @@ def test_unwritable_state_dir_is_visible_and_a_restart_after_rollover_is_not_tru
     # A reboot ends it (seen by the running agent as a new boot ID; after a restart, the condition's
     # lastTransitionTime older than the kernel's boot time says the same: tests/test_policy.py).
     simhost.new_boot()
+    b.wait_status(admin, "Unknown", "CheckFailed", timeout=30)  # still: the latch store is still unwritable
+    blocker.unlink()  # the state dir can be made again: the next write succeeds and the node reads True
     b.wait_status(admin, "True", timeout=30)
 
 

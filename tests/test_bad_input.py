@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from agent import config, settings
 from agent.cli import main as cli_main
@@ -23,7 +24,7 @@ from agent.kernel_log.source import KmsgSource, KmsgUnavailable, format_record
 from agent.model import PciAddress, Status, XidEvent
 from agent.preflight import Profile, ProfileError, read_results
 from agent.settings import MAX_NESTING, in_range, load_json, load_yaml, to_float, to_int, to_int_list
-from agent.state import LatchState
+from agent.state import LatchState, read_boot_id
 
 HUGE = int("9" * 400)  # float(HUGE) is an OverflowError; f"{HUGE:g}" too
 WAIT_S = 60.0  # a bound for waits on a loaded machine, never a measured duration
@@ -142,7 +143,12 @@ def test_deep_documents_are_refused_before_anything_is_built(monkeypatch: Any) -
     """The depth is counted on the parser's events: nothing is constructed (no recursion, linear time)."""
     built: list[str] = []
     real_load = settings.yaml.load
-    monkeypatch.setattr(settings.yaml, "load", lambda *a, **k: built.append("load") or real_load(*a, **k))
+
+    def load(*a: Any, **k: Any) -> Any:
+        built.append("load")
+        return real_load(*a, **k)
+
+    monkeypatch.setattr(settings.yaml, "load", load)
     for doc in (deep_flow(MAX_NESTING + 1), deep_block(MAX_NESTING + 1), "- " * (MAX_NESTING + 1) + "1"):
         with pytest.raises(ValueError, match="nested deeper than"):
             load_yaml(doc)
@@ -227,23 +233,76 @@ def test_config_dev_stdin_is_refused_not_read(tmp_path: Path) -> None:
     assert_one_line(p.returncode, err, "not a regular file")
 
 
+def without_waiting_on(fifo: Path, fn: Any) -> Any:
+    """fn() on a thread; if it is still waiting on the FIFO after WAIT_S, a writer comes and goes (so that the
+    thread ends) and the test fails."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except Exception as e:
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(WAIT_S)
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(WAIT_S)
+        pytest.fail(f"{fn} waited on a FIFO")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
 def test_profile_and_results_fifos_are_refused(fifo: Path, tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match="not a regular file"):
-        Profile.load(str(fifo))
-    got = read_results(str(fifo))
+        without_waiting_on(fifo, lambda: Profile.load(str(fifo)))
+    got = without_waiting_on(fifo, lambda: read_results(str(fifo)))
     assert [r.status for r in got] == ["fail"] and "not a regular file" in got[0].reason
 
 
-def test_big_config_is_refused_before_it_is_read(tmp_path: Path, monkeypatch: Any) -> None:
-    path = tmp_path / "big.yaml"
-    with open(path, "wb") as fh:
-        fh.truncate(1 << 30)  # sparse: 1 GiB that costs nothing
+def test_boot_id_file_that_is_not_a_regular_file_is_unknown(fifo: Path) -> None:
+    """The loop reads the boot ID every cycle: a FIFO there would stop it for good."""
+    assert without_waiting_on(fifo, lambda: read_boot_id(str(fifo))) == "unknown"
+    assert read_boot_id("/dev/zero") == "unknown"
+
+
+def test_big_config_is_refused_before_it_is_read_or_parsed(tmp_path: Path, monkeypatch: Any) -> None:
+    """A 1 MiB flow list (seconds of YAML parsing) and a 1 GiB sparse file: refused by their size alone."""
+    parsed: list[str] = []
+
+    def counting(name: str) -> Any:
+        real = getattr(yaml, name)
+
+        def counted(*a: Any, **k: Any) -> Any:
+            parsed.append(name)
+            return real(*a, **k)
+
+        return counted
+
+    for name in ("load", "safe_load"):
+        monkeypatch.setattr(yaml, name, counting(name))
     reads: list[int] = []
     real_read = os.read
-    monkeypatch.setattr(os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
-    with pytest.raises(config.ConfigError, match="larger than"):
-        config.load(None, environ={"GPU_READY_CONFIG": str(path)})
-    assert reads == []
+
+    def read(fd: int, n: int) -> bytes:
+        reads.append(n)
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", read)
+    flow = tmp_path / "flow.yaml"
+    flow.write_text("xidFatal: [" + "1, " * 349_000 + "1]\n")
+    sparse = tmp_path / "sparse.yaml"
+    with open(sparse, "wb") as fh:
+        fh.truncate(1 << 30)  # 1 GiB that costs nothing
+    for path in (flow, sparse):
+        with pytest.raises(config.ConfigError, match="larger than"):
+            config.load(None, environ={"GPU_READY_CONFIG": str(path)})
+        code, _, err = run_cli(["preflight", "--profile", str(path)])
+        assert_one_line(code, err, "larger than")
+    assert parsed == [] and reads == []
 
 
 def test_config_just_over_the_limit_is_refused_and_one_under_is_parsed(tmp_path: Path) -> None:
@@ -469,7 +528,7 @@ def test_agent_health_fails_while_the_latch_cannot_be_written(tmp_path: Path, si
     )
     agent = Agent(cfg, api=KubeApi.from_token("https://127.0.0.1:1", "t"))
     try:
-        agent.state_outcome = agent.state.load()
+        agent.state.load()
         ok, why = agent.healthy()
         assert not ok and "not persisted" in why
         blocker.unlink()

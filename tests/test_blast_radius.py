@@ -1,6 +1,6 @@
 """Publishing the allocation map (agent/report/blast_radius.py): metrics, the blast radius (which pods get an Event,
-once per transition), the condition's pod count, the `gpu-ready gpus` table; and the Pod Events themselves on the
-real apiserver (in the pod's namespace, regarding the Pod with its UID read by one GET)."""
+once per transition), the condition's pod count, the `gpu-ready gpus` table; and the blast-radius Events themselves
+on the real apiserver (about the Node, in the events namespace, naming the pod: the agent reads no Pod)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from agent.report.blast_radius import (
     HEADER,
     AllocationMetrics,
     BlastRadius,
-    PodUids,
     affected_note,
     gpus_json,
     render_gpus,
@@ -36,7 +35,7 @@ from agent.report.blast_radius import (
 from agent.report.events import EventReporter
 from agent.report.metrics import Metrics
 from agent.verdict import with_note
-from testkit.cluster import ensure_namespace
+from testkit.cluster import EVENT_NAMESPACE, ensure_namespace
 from testkit.harness import wait_for
 
 BUS = [PciAddress(0, b, 0) for b in (0x19, 0x3B, 0x5D, 0x9A)]
@@ -168,14 +167,9 @@ def test_one_event_per_pod_per_transition():
     evs = br.step(verdict({0: "Xid 79"}), amap)
     assert [(e.namespace, e.pod) for e in evs] == [("ml", "train-0")]  # two containers, one Event
     e = evs[0]
-    assert e.gpu == BUS[0].nvml and e.regarding() == {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "namespace": "ml",
-        "name": "train-0",
-    }
+    assert e.gpu == BUS[0].nvml and e.key == f"{BUS[0].nvml}|ml/train-0"
     assert e.note.startswith(f"GPU 0 ({BUS[0].nvml}, {UUID[0]}) on node node-a is unhealthy: FatalXid: Xid 79")
-    assert "holds 2 slot(s) of it (containers: main, side)" in e.note
+    assert "; pod ml/train-0 holds 2 slot(s) of it (containers: main, side)" in e.note
     assert br.step(verdict({0: "Xid 79"}), amap) == []  # still bad: no repeat
     evs = br.step(verdict({0: "Xid 79", 3: "Xid 48"}), amap)  # another GPU turns bad
     assert [(e.namespace, e.pod) for e in evs] == [("inf", "small")]
@@ -268,7 +262,7 @@ def test_fenced_gpu_in_table_and_metrics():
     assert samples(reg)[f'gpu_ready_gpu_fenced{{pci_bus_id="{BUS[2].nvml}"}}'] == 1
 
 
-# -- Pod Events on the real apiserver --------------------------------------------------------------------------
+# -- blast-radius Events on the real apiserver ---------------------------------------------------------------
 
 
 def _train_pod(admin: KubeApi) -> tuple[str, dict[str, Any]]:
@@ -280,50 +274,42 @@ def _train_pod(admin: KubeApi) -> tuple[str, dict[str, Any]]:
 
 
 @pytest.mark.apiserver
-def test_pod_events_land_on_the_pod_with_its_uid(admin):
+def test_blast_radius_events_land_on_the_node_naming_the_pod(admin):
     ns, p = _train_pod(admin)
-    uids = PodUids(admin)
-    rep = EventReporter(admin, "node-a", 300.0, uid_of=uids)
-    br = BlastRadius("node-a")
+    node = f"node-{secrets.token_hex(3)}"
+    rep = EventReporter(admin, node, 300.0, EVENT_NAMESPACE)
+    br = BlastRadius(node)
     amap = build_map(
         [ContainerAllocation(PodRef(ns, "train-0", "main"), (ResourceDevices("nvidia.com/gpu", (UUID[0],)),))],
         [ResourceDevices("nvidia.com/gpu", (UUID[0],))],
         INV,
     )
-    for e in br.step(verdict({0: "Xid 79"}), amap):
-        rep.record(EVENT_REASON, e.note, e.key, "Warning", "Detected", e.regarding())
-    assert rep.flush() == 1
-    got = wait_for(
-        lambda: admin.request("GET", f"/apis/events.k8s.io/v1/namespaces/{ns}/events").get("items"),
-        30,
-        0.2,
-        "the pod Event",
-    )
-    (ev,) = got
-    assert ev["regarding"] == {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "namespace": ns,
-        "name": "train-0",
-        "uid": p["metadata"]["uid"],
-    }
-    assert ev["reason"] == "GPUUnhealthy" and ev["reportingController"] == "gpu-ready" and ev["type"] == "Warning"
-    assert ev["note"].startswith(f"GPU 0 ({BUS[0].nvml}, {UUID[0]}) on node node-a is unhealthy: FatalXid: Xid 79")
-    # what `kubectl describe pod` lists: core/v1 events whose involvedObject is the pod
-    core = admin.request(
-        "GET", f"/api/v1/namespaces/{ns}/events", query={"fieldSelector": f"involvedObject.uid={p['metadata']['uid']}"}
-    )
-    assert [e["reason"] for e in core["items"]] == ["GPUUnhealthy"]
-    # the UID is read once per pod
-    calls = []
+    calls: list[Any] = []
     orig = admin.request
     admin.request = lambda *a, **k: calls.append(a) or orig(*a, **k)  # type: ignore[method-assign]
     try:
-        assert uids(ns, "train-0") == p["metadata"]["uid"]
-        assert calls == []
-        assert uids(ns, "no-such-pod") is None and len(calls) == 1
+        for e in br.step(verdict({0: "Xid 79"}), amap):
+            rep.record(EVENT_REASON, e.note, e.key, "Warning", "Detected")
+        assert rep.flush() == 1
     finally:
         admin.request = orig  # type: ignore[method-assign]
+    assert [c[:2] for c in calls] == [("POST", f"/apis/events.k8s.io/v1/namespaces/{EVENT_NAMESPACE}/events")]
+    ev = wait_for(lambda: node_events(admin, node), 30, 0.2, "the blast-radius Event")[0]
+    assert ev["regarding"] == {"apiVersion": "v1", "kind": "Node", "name": node}
+    assert ev["reason"] == "GPUUnhealthy" and ev["reportingController"] == "gpu-ready" and ev["type"] == "Warning"
+    assert ev["note"].startswith(f"GPU 0 ({BUS[0].nvml}, {UUID[0]}) on node {node} is unhealthy: FatalXid: Xid 79")
+    assert f"; pod {ns}/train-0 holds 1 slot(s)" in ev["note"]
+    # nothing about the Pod itself, where `kubectl describe pod` would look
+    core = admin.request(
+        "GET", f"/api/v1/namespaces/{ns}/events", query={"fieldSelector": f"involvedObject.uid={p['metadata']['uid']}"}
+    )
+    assert core["items"] == []
+
+
+def node_events(admin: KubeApi, node: str) -> list[dict[str, Any]]:
+    """The GPUUnhealthy Events about `node` in the events namespace."""
+    items = admin.request("GET", f"/apis/events.k8s.io/v1/namespaces/{EVENT_NAMESPACE}/events")["items"]
+    return [e for e in items if e["reason"] == "GPUUnhealthy" and e["regarding"].get("name") == node]
 
 
 # -- the running agent: metrics, condition message and Pod Events ----------------------------------------------
@@ -332,8 +318,8 @@ def test_pod_events_land_on_the_pod_with_its_uid(admin):
 @pytest.mark.apiserver
 def test_agent_blast_radius_end_to_end(agent_factory, admin, simhost):
     """The real agent (subprocess) reading a gRPC pod-resources server: a fatal Xid on GPU 0, held by one pod, turns
-    the node False with "1 pod on the affected GPUs", writes one GPUUnhealthy Event on that Pod (with its UID) and
-    exports gpu_ready_gpu_pods for the GPU."""
+    the node False with "1 pod on the affected GPUs", writes one GPUUnhealthy Event about its Node naming that Pod
+    (with a token that cannot read Pods) and exports gpu_ready_gpu_pods for the GPU."""
     import urllib.request
 
     pytest.importorskip("grpc")  # dev extra: the pod-resources stand-in's server
@@ -342,27 +328,22 @@ def test_agent_blast_radius_end_to_end(agent_factory, admin, simhost):
     from testkit.podresources import pod as grpc_pod
     from testkit.podresources import serve_pod_resources
 
-    ns, p = _train_pod(admin)
+    ns, _ = _train_pod(admin)
     gpus = simhost.gpu_uuids()
-
-    def pod_events() -> list[dict]:
-        items = admin.request("GET", f"/apis/events.k8s.io/v1/namespaces/{ns}/events")["items"]
-        return [e for e in items if e["reason"] == "GPUUnhealthy"]
 
     with serve_pod_resources() as (sock, k):
         k.devices = [pb.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=[u for _, u, _ in gpus])]
         k.pods = [grpc_pod("train-0", [gpus[0][1]], ns=ns)]
-        rules = [*AGENT_RULES, {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]
-        a = agent_factory(rules=rules, extra={"--pod-resources": "true", "--pod-resources-socket": sock})
+        a = agent_factory(rules=AGENT_RULES, extra={"--pod-resources": "true", "--pod-resources-socket": sock})
         a.wait_status(admin, "True", timeout=60)
         simhost.append_xid(79, gpu=0)
         c = a.wait_status(admin, "False", "FatalXid", timeout=60)
         assert c["message"].endswith("; 1 pod on the affected GPUs"), c["message"]
-        (ev,) = wait_for(pod_events, 60, 0.2, "the GPUUnhealthy Event on the pod")
-        assert ev["regarding"]["uid"] == p["metadata"]["uid"] and ev["regarding"]["name"] == "train-0"
+        (ev,) = wait_for(lambda: node_events(admin, a.node), 60, 0.2, "the GPUUnhealthy Event on the node")
+        assert ev["regarding"]["kind"] == "Node" and f"pod {ns}/train-0 holds 1 slot(s)" in ev["note"]
         assert gpus[0][0].nvml in ev["note"] and gpus[0][1] in ev["note"] and "Xid 79" in ev["note"]
         text = urllib.request.urlopen(f"http://127.0.0.1:{a.port}/metrics", timeout=5).read().decode()
         assert f'gpu_ready_gpu_pods{{pci_bus_id="{gpus[0][0].nvml}"}} 1.0' in text
         assert "gpu_ready_pod_resources_up 1.0" in text
         a.terminate()
-    assert len(pod_events()) == 1  # one Event per transition, not one per poll
+    assert len(node_events(admin, a.node)) == 1  # one Event per transition, not one per poll

@@ -337,7 +337,7 @@ def test_chart_rbac_and_own_node_admission_policy(control_plane, admin, make_nod
                 "metadata": {"name": f"{node_a}.{secrets.token_hex(4)}"},
                 "eventTime": "2026-11-30T00:00:00.000000Z",
                 "reportingController": "gpu-ready",
-                "reportingInstance": "gpu-ready-a",
+                "reportingInstance": f"gpu-ready-{node_a}",
                 "action": "Test",
                 "reason": "Test",
                 "regarding": {"kind": "Node", "name": node_a},
@@ -384,7 +384,7 @@ def test_dockerfile_install_steps_in_a_fresh_venv(tmp_path):
     assert 'ENTRYPOINT ["gpu-ready"]' in dockerfile and 'CMD ["run"]' in dockerfile
     src = tmp_path / "src"
     src.mkdir()
-    for item in ("pyproject.toml", "README.md", "LICENSE", "agent", "docker/install.sh"):  # the COPY lines
+    for item in ("pyproject.toml", "README.md", "LICENSE", "requirements/runtime.lock", "agent", "docker/install.sh"):
         dst = src / item
         dst.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if (ROOT / item).is_dir() else shutil.copy)(ROOT / item, dst)

@@ -272,10 +272,10 @@ def test_unwritable_state_dir_is_counted_logged_once_and_retried(tmp_path, capsy
     blocker.write_text("")  # a file where the directory should be: fails for root too
     failures: list[str] = []
     s = LatchState(str(blocker / "state"), "b", on_write_failure=failures.append)
-    assert s.load() == "corrupt" and s.load_problem  # cannot even be read
+    assert s.load() == "new" and s.write_problem  # nothing there, and load()'s own write already fails
     assert s.latch(ev(seq=1), 100.0) is not None  # latched in memory all the same
     s.latch(ev(xid=48, seq=2), 101.0)
-    assert s.write_failures == 2 and len(failures) == 2 and s.dirty
+    assert s.write_failures == 3 and len(failures) == 3 and s.dirty
     assert "cannot write" in (s.write_problem or "")
     logged = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
     assert sum("cannot be saved" in r["event"] for r in logged) == 1, "logged once per distinct problem"

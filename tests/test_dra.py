@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from agent import config
 from agent.act.fencing import (
     GPU_ANNOTATION,
+    LONG_NODE,
     MANAGED_BY,
     MANAGED_BY_LABEL,
     NODE_LABEL,
@@ -40,7 +41,8 @@ from agent.act.fencing import (
     node_label,
     parse_rules,
     plan_fencing,
-    rule_name,
+    rule_prefix,
+    slot_of,
     valid_name,
 )
 from agent.kernel_log.xid import KernelLogParser
@@ -294,13 +296,17 @@ def test_only_gpu_attributed_faults_fence():
     assert fence_view(decide(Observation(findings=[Finding.unchecked(Check.NVML, "x")]))).hold_all
 
 
-def test_rule_names_are_deterministic_valid_and_bounded():
-    assert rule_name("gpu-node-7", "gpu-3") == "gpu-ready.gpu-node-7.gpu-3"
-    long_node = ".".join(["a" * 60] * 4)  # 243 characters: a valid node name
-    dev = "gpu-0-mig-1g10gb-19-0"
-    n1 = rule_name(long_node, dev)
-    assert n1 == rule_name(long_node, dev) and len(n1) <= 253 and valid_name(n1) and n1.endswith("." + dev)
-    assert rule_name(long_node[:-1] + "b", dev) != n1  # the hash keeps different nodes apart
+def test_rule_names_are_numbered_per_node_valid_and_bounded():
+    assert rule_prefix("gpu-node-7") == "gpu-ready.gpu-node-7."
+    fits = ".".join(["a" * 59] * 4)[:LONG_NODE]  # the longest node name spelled out in a rule name
+    assert valid_name(f"{rule_prefix(fits)}1023") and len(f"{rule_prefix(fits)}1023") == 253
+    long_node = ".".join(["a" * 60] * 4)  # 243 characters: a valid node name, too long to spell out
+    assert rule_prefix(long_node) is None  # its UID is needed
+    uid = "0e3571df-b1e6-48b8-a89e-1f924561be1d"
+    assert rule_prefix(long_node, uid) == f"gpu-ready-uid.{uid}." and valid_name(f"gpu-ready-uid.{uid}.1023")
+    assert slot_of("gpu-ready.n.3", "gpu-ready.n.", 4) == 3 and slot_of("gpu-ready.n.0", "gpu-ready.n.", 1) == 0
+    for name in ("gpu-ready.n.4", "gpu-ready.n.03", "gpu-ready.n.gpu-3", "gpu-ready.m.1", "gpu-ready.n.1.2"):
+        assert slot_of(name, "gpu-ready.n.", 4) is None, name
     assert node_label("gpu-node-7") == "gpu-node-7"
     assert node_label(long_node).startswith("sha256-") and len(node_label(long_node)) <= 63
 
@@ -322,8 +328,8 @@ def test_a_faulty_gpu_gets_one_rule_per_device_and_loses_them_when_healthy():
     p = rules_of(fatal_xid_verdict(), inv, [])
     assert p.writes == 4 and not p.delete and not p.update
     assert [(d.name, d.device, d.pool, d.driver, d.reason, d.effect) for d in p.create] == [
-        (f"gpu-ready.n.{dev}", dev, "n", DRIVER, Reason.FATAL_XID, FenceEffect.NO_SCHEDULE)
-        for dev in ("gpu-3", "gpu-3-mig-3g40gb-9-0", "gpu-3-mig-3g40gb-9-4", "gpu-3-mig-3g40gb-9-8")
+        (f"gpu-ready.n.{i}", dev, "n", DRIVER, Reason.FATAL_XID, FenceEffect.NO_SCHEDULE)
+        for i, dev in enumerate(("gpu-3", "gpu-3-mig-3g40gb-9-0", "gpu-3-mig-3g40gb-9-4", "gpu-3-mig-3g40gb-9-8"))
     ]
     body = p.create[0].body("v1")
     assert body["metadata"]["labels"] == {MANAGED_BY_LABEL: MANAGED_BY, NODE_LABEL: "n"}
@@ -350,6 +356,39 @@ def test_a_faulty_gpu_gets_one_rule_per_device_and_loses_them_when_healthy():
     assert len(nx.update) == 4 and nx.writes == 4
 
 
+def test_rules_keep_their_number_by_device_and_new_ones_take_the_lowest_free():
+    inv = parse_slices([nvidia_slice("n", mig={3: 3}, full_with_mig=True)])
+    four = FencingSettings(True, FenceEffect.NO_SCHEDULE, max_rules=4)
+    first = plan_fencing(fence_view(fatal_xid_verdict()), inv, [], "n", four, Status.FALSE)
+    existing = as_existing(first)
+    assert [r.name for r in existing] == [f"gpu-ready.n.{i}" for i in range(4)]
+    # GPU 3 healthy, GPU 5 faulty: GPU 3's four rules go; every number is taken until they are gone, so GPU 5
+    # waits (a note) and is fenced by the next plan.
+    inv5 = parse_slices([nvidia_slice("n", mig={3: 3}, full_with_mig=True)])
+    swap = plan_fencing(fence_view(fatal_xid_verdict(ADDRS[5])), inv5, existing, "n", four, Status.FALSE)
+    assert len(swap.delete) == 4 and not swap.create and swap.waiting == 1 and "free rule name" in swap.notes[-1]
+    later = plan_fencing(fence_view(fatal_xid_verdict(ADDRS[5])), inv5, [], "n", four, Status.FALSE)
+    assert [(d.name, d.device) for d in later.create] == [("gpu-ready.n.0", "gpu-5")]
+    # A rule keeps its name while its device is fenced, whatever the order of the others.
+    kept = plan_fencing(fence_view(fatal_xid_verdict()), inv, list(reversed(existing)), "n", four, Status.FALSE)
+    assert not kept and len(kept.keep) == 4
+
+
+def test_a_rule_named_as_before_is_replaced_by_a_numbered_one():
+    inv = parse_slices([nvidia_slice("n")])
+    old = as_existing(rules_of(fatal_xid_verdict(), inv, []))
+    legacy = [replace(old[0], name="gpu-ready.n.gpu-3")]
+    p = rules_of(fatal_xid_verdict(), inv, legacy)
+    assert [r.name for r in p.delete] == ["gpu-ready.n.gpu-3"] and [d.name for d in p.create] == ["gpu-ready.n.0"]
+    long_node = "a" * (LONG_NODE + 1)
+    v = fence_view(fatal_xid_verdict())
+    inv_long = parse_slices([nvidia_slice(long_node)])
+    no_uid = plan_fencing(v, inv_long, [], long_node, NS, Status.FALSE)
+    assert not no_uid.create and "UID is unknown" in no_uid.notes[-1]
+    with_uid = plan_fencing(v, inv_long, [], long_node, NS, Status.FALSE, "u-1")
+    assert [d.name for d in with_uid.create] == ["gpu-ready-uid.u-1.0"]
+
+
 def test_rules_are_held_while_health_is_unknown():
     inv = parse_slices([nvidia_slice("n")])
     existing = as_existing(rules_of(fatal_xid_verdict(), inv, []))
@@ -364,7 +403,7 @@ def test_rules_are_held_while_health_is_unknown():
     p = rules_of(both, None, existing)
     assert not p.create and not p.delete and len(p.keep) == 1 and len(p.notes) == 2
     # ... while a rule of a GPU that is healthy again goes: deleting needs no slices
-    assert [r.name for r in rules_of(fatal_xid_verdict(ADDRS[5]), None, existing).delete] == ["gpu-ready.n.gpu-3"]
+    assert [r.name for r in rules_of(fatal_xid_verdict(ADDRS[5]), None, existing).delete] == ["gpu-ready.n.0"]
     # a FatalXid the verdict holds without naming a GPU (kept from the condition after a restart): kept
     held = Verdict(Status.FALSE, Reason.FATAL_XID, "Xid 79 (kept)", healthy_verdict().gpus, (Reason.FATAL_XID,))
     assert not rules_of(held, inv, existing)
@@ -422,10 +461,10 @@ def test_an_nvml_rule_is_kept_while_nvml_cannot_check_even_when_other_faults_dec
     blind = decide(observation(findings=[Finding.unchecked(Check.NVML, "NVML init failed")]), [xid_fault(ADDRS[5])])
     assert blind.status is Status.FALSE and all(g.unchecked == (Check.NVML,) for g in blind.gpus)
     p = rules_of(blind, inv, existing)
-    assert not p.delete and [r.name for r in p.keep] == ["gpu-ready.n.gpu-3"]
+    assert not p.delete and [r.name for r in p.keep] == ["gpu-ready.n.0"]
     assert [d.device for d in p.create] == ["gpu-5"]
     # NVML runs again and GPU 3 is clean: the rule goes.
-    assert [r.name for r in rules_of(fatal_xid_verdict(ADDRS[5]), inv, existing).delete] == ["gpu-ready.n.gpu-3"]
+    assert [r.name for r in rules_of(fatal_xid_verdict(ADDRS[5]), inv, existing).delete] == ["gpu-ready.n.0"]
 
 
 def test_the_fenced_devices_fit_in_the_condition_message():
@@ -605,7 +644,7 @@ def test_fatal_xid_on_gpu3_fences_one_gpu_and_the_scheduler_serves_the_other_sev
     verdict = fatal_xid_verdict()  # the Xid 79 line for GPU 3, latched, decided
     res = fence.reconcile(verdict, inv)
     t_rule = time.monotonic() - t0
-    name = f"gpu-ready.{node}.gpu-3"
+    name = f"gpu-ready.{node}.0"
     assert not res.errors, res.errors
     assert rule_exists(plane, name)
     assert (
@@ -705,7 +744,7 @@ def test_no_execute_evicts_the_pod_on_gpu3_and_only_that_pod(plane):
     MEASURED["NoExecute rule -> pod on gpu-3 evicted (s)"] = time.monotonic() - t0
     survivor = get_pod(plane, p0)
     assert not survivor["metadata"].get("deletionTimestamp"), "the pod on healthy gpu-0 must keep running"
-    rule = plane.admin.request("GET", f"{plane.rules}/gpu-ready.{node}.gpu-3")
+    rule = plane.admin.request("GET", f"{plane.rules}/gpu-ready.{node}.0")
     assert rule["spec"]["taint"]["effect"] == "NoExecute"
 
 
@@ -715,7 +754,7 @@ def test_effect_none_is_a_dry_run_the_controller_reports_on(plane):
     agent = plane.agent("ns", node)
     res = reporter(agent, node, FenceEffect.NONE).reconcile(fatal_xid_verdict(), inventory_as_agent(agent, node))
     assert not res.errors and res.fenced[0].effect == "None"
-    name = f"gpu-ready.{node}.gpu-3"
+    name = f"gpu-ready.{node}.0"
     c3, p3 = claim_and_pod(plane, node, selector=f"device.attributes['gpu.nvidia.com'].uuid == '{uuid(3)}'")
     plane.wait(lambda: allocated_device(plane, c3) == "gpu-3", "a claim for gpu-3 allocated despite the None rule")
     plane.wait(lambda: get_pod(plane, p3)["spec"].get("nodeName") == node, "its pod bound")
@@ -734,12 +773,12 @@ def test_rules_are_per_node_and_a_failed_request_is_reported_not_raised(plane):
     a, b = gpu_node(plane), gpu_node(plane)
     agent_a, agent_b = plane.agent("ns", a), plane.agent("ns", b)
     res = reporter(agent_a, a, FenceEffect.NO_SCHEDULE).reconcile(fatal_xid_verdict(), inventory_as_agent(agent_a, a))
-    assert res.writes == 1 and rule_exists(plane, f"gpu-ready.{a}.gpu-3")
+    assert res.writes == 1 and rule_exists(plane, f"gpu-ready.{a}.0")
     # node B's agent, healthy, lists only its own node's rules: it deletes nothing of node A's
     res_b = reporter(agent_b, b, FenceEffect.NO_SCHEDULE).reconcile(healthy_verdict(), inventory_as_agent(agent_b, b))
     discovery = 1 if plane.version == "v1" else 2  # v1 is asked first
     assert (res_b.reads, res_b.writes, res_b.fenced) == (discovery + 1, 0, ())  # discovery + one LIST
-    assert rule_exists(plane, f"gpu-ready.{a}.gpu-3")
+    assert rule_exists(plane, f"gpu-ready.{a}.0")
     # a token without the devicetaintrules permission (fencing off in its chart): an error in the result
     off = plane.agent("off", b)
     reg = CollectorRegistry()
@@ -748,9 +787,9 @@ def test_rules_are_per_node_and_a_failed_request_is_reported_not_raised(plane):
     assert res_off.errors and "403" in res_off.errors[0] and res_off.fenced == () and res_off.writes == 0
     assert reg.get_sample_value("gpu_ready_fence_errors_total") == 1
     assert reg.get_sample_value("gpu_ready_fence_changes_total", {"change": "created"}) is None
-    assert not rule_exists(plane, f"gpu-ready.{b}.gpu-3")
+    assert not rule_exists(plane, f"gpu-ready.{b}.0")
     reporter(agent_a, a, FenceEffect.NO_SCHEDULE).reconcile(healthy_verdict(), inventory_as_agent(agent_a, a))
-    assert not rule_exists(plane, f"gpu-ready.{a}.gpu-3")
+    assert not rule_exists(plane, f"gpu-ready.{a}.0")
 
 
 @pytest.mark.apiserver
@@ -765,7 +804,7 @@ def test_the_fencing_thread_reconciles_the_newest_verdict_and_reports_changes_on
         worker.submit(healthy_verdict(), inv)  # replaced before the thread takes it, or reconciled: no change
         worker.submit(fatal_xid_verdict(), inv)
         plane.wait(lambda: worker.summary() == "fenced gpu-3 (NoSchedule)", "the thread to fence gpu-3")
-        assert rule_exists(plane, f"gpu-ready.{node}.gpu-3") and len(changes) == 1
+        assert rule_exists(plane, f"gpu-ready.{node}.0") and len(changes) == 1
         n = worker.reconciles
         worker.submit(fatal_xid_verdict(), inv)  # the same verdict again: skipped, no request, no change
         plane.wait(lambda: worker.reconciles == n + 1, "one more reconcile")
@@ -780,7 +819,7 @@ def test_the_fencing_thread_reconciles_the_newest_verdict_and_reports_changes_on
     assert res.errors and off.fenced == worker.fenced
     # The worker's own reporter clears the rule when GPU 3 is healthy again.
     assert worker.step(healthy_verdict(), inv).fenced == () and worker.summary() == "" and len(changes) == 2
-    assert not rule_exists(plane, f"gpu-ready.{node}.gpu-3")
+    assert not rule_exists(plane, f"gpu-ready.{node}.0")
 
 
 # -- the admission policy, allowed and denied, with tokens bound to a Pod on node A ------------------------------
@@ -797,6 +836,7 @@ def rule_body(
     effect: str = "NoSchedule",
     labels: dict[str, str] | None = None,
     version: str = "v1",
+    number: int = 0,
 ) -> dict[str, Any]:
     sel: dict[str, str] = {"driver": driver, "pool": pool if pool is not None else node}
     if device:
@@ -805,7 +845,7 @@ def rule_body(
         "apiVersion": f"resource.k8s.io/{version}",
         "kind": "DeviceTaintRule",
         "metadata": {
-            "name": name or f"gpu-ready.{node}.{device or 'all'}",
+            "name": name or f"gpu-ready.{node}.{number}",  # the node's rule number `number`
             "labels": labels if labels is not None else {MANAGED_BY_LABEL: MANAGED_BY, NODE_LABEL: node},
         },
         "spec": {"deviceSelector": sel, "taint": {"key": key, "value": value, "effect": effect}},
@@ -853,7 +893,7 @@ def test_the_admission_policy_holds_the_token_to_its_own_nodes_devices(plane):
         ("other node's pool", lambda: agent_a.request("POST", RULES, rb(b, "gpu-0")), 403),
         (
             "own pool, name of another node",
-            lambda: agent_a.request("POST", RULES, rb(a, name=f"gpu-ready.{b}.gpu-0")),
+            lambda: agent_a.request("POST", RULES, rb(a, name=f"gpu-ready.{b}.0")),
             403,
         ),
         ("own pool, foreign name", lambda: agent_a.request("POST", RULES, rb(a, name="evil")), 403),
@@ -903,18 +943,18 @@ def test_the_admission_policy_holds_the_token_to_its_own_nodes_devices(plane):
             "change own rule to effect None",
             lambda: agent_a.request(
                 "PUT",
-                f"{RULES}/gpu-ready.{a}.gpu-3",
+                f"{RULES}/gpu-ready.{a}.0",
                 {
                     **rb(a, "gpu-3", effect="None"),
-                    "metadata": {**plane.admin.request("GET", f"{RULES}/gpu-ready.{a}.gpu-3")["metadata"]},
+                    "metadata": {**plane.admin.request("GET", f"{RULES}/gpu-ready.{a}.0")["metadata"]},
                 },
             ),
             200,
         ),
-        ("delete own rule", lambda: agent_a.request("DELETE", f"{RULES}/gpu-ready.{a}.gpu-3"), 200),
+        ("delete own rule", lambda: agent_a.request("DELETE", f"{RULES}/gpu-ready.{a}.0"), 200),
         (
             "NoExecute where the chart allows it",
-            lambda: plane.agent("nx", a).request("POST", RULES, rb(a, "gpu-4", effect="NoExecute")),
+            lambda: plane.agent("nx", a).request("POST", RULES, rb(a, "gpu-4", effect="NoExecute", number=1)),
             200,
         ),
     ]

@@ -176,8 +176,9 @@ def dra_host(tmp_path: Path) -> SimHost:
     return SimHost(tmp_path / f"host-{secrets.token_hex(2)}", buses=BUSES)
 
 
-def rule_name(node: str, device: str = "gpu-3") -> str:
-    return f"gpu-ready.{node}.{device}"
+def rule_name(node: str) -> str:
+    """The name of the node's first rule: the agent numbers a node's rules from 0 (these tests fence one device)."""
+    return f"gpu-ready.{node}.0"
 
 
 def rule_exists(p: Plane, name: str) -> bool:
@@ -363,7 +364,7 @@ def test_a_restarted_agent_keeps_the_rule_and_deletes_it_on_the_clear(fplane, la
     first = launch(node, host)
     wait_cond(p, first, lambda c: c["status"] == "True", "GPUReady=True")
     host.append_xid(48, 6)  # double-bit ECC on GPU 6 (bus ba): latched until a reboot or a clear
-    name = rule_name(node, "gpu-6")
+    name = rule_name(node)  # the rule for gpu-6
     p.wait(lambda: rule_exists(p, name), "the rule for gpu-6")
     assert first.terminate() == 0
 

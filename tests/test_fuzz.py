@@ -32,6 +32,7 @@ from agent.preflight import FAIL, Profile, ProfileError, read_results
 from agent.probes.device_plugin import plugin_counts, plugin_findings
 from agent.probes.nvidia_smi import parse_smi_table, smi_findings
 from agent.settings import INT_LIMIT, in_range, to_float, to_int, to_int_list
+from agent.state import read_boot_id
 from testkit.fixture_files import FIXTURES
 from testkit.simhost import SimHost
 
@@ -388,11 +389,11 @@ def test_converters_never_return_huge_numbers(value: Any) -> None:
             assert -INT_LIMIT <= x <= INT_LIMIT  # 999_999_999_999_999_936 as a float is 1e18
 
 
-SPECIAL_FILES = ["/dev/zero", "/dev/urandom", "/dev/null", "/dev/full", "/dev/stdin", "fifo", "dir", "socket"]
+SPECIAL_FILES = ["/dev/zero", "/dev/urandom", "/dev/null", "/dev/full", "fifo", "dir", "socket"]
 
 
 @budget(40)
-@given(st.sampled_from(SPECIAL_FILES), st.sampled_from(["config", "profile", "results", "kmsg"]))
+@given(st.sampled_from(SPECIAL_FILES), st.sampled_from(["config", "profile", "results", "kmsg", "boot_id"]))
 def test_endless_and_special_files_are_refused_without_waiting(kind: str, reader: str) -> None:
     """A FIFO nobody writes, /dev/zero that never ends, a directory, a socket: refused (could not check), never
     read until it ends and never waited on."""
@@ -412,6 +413,8 @@ def test_endless_and_special_files_are_refused_without_waiting(kind: str, reader
                         finishes(lambda: [r for batch in src.drain() for r in batch])
                 finally:
                     src.close()
+            elif reader == "boot_id":
+                assert finishes(lambda: read_boot_id(path)) == "unknown"
             elif reader == "results":
                 got = finishes(lambda: read_results(path))
                 assert [r.status for r in got] == [FAIL]

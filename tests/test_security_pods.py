@@ -1,9 +1,10 @@
 """Least privilege for the blast radius (podResources.enabled, docs/allocation.md), proven on the real apiserver with
-the chart's own rendered RBAC and admission policies and a token bound to a Pod on node A: the agent may GET a Pod
-and create (and patch the series of) an Event about a Pod in that Pod's namespace, as this node's agent; it may
-not list, watch, create, update or delete Pods, nor write Events with another reportingController, another
-reportingInstance (node), another kind, in another namespace than the Pod's, relating to another object, nor
-delete Events. With podResources off the same token gets none of the Pod rights."""
+the chart's own rendered RBAC and admission policies and a token bound to a Pod on node A: podResources grants the
+token nothing. The blast radius of a bad GPU is told in Events about the agent's own Node that name the pods (the
+admission policy cannot read a Pod to see that it runs on the token's node, so Events about Pods would let the token
+write about any Pod in any namespace); the agent reads no Pod (kubelet's pod-resources API names the pods). The
+token may not read, list, watch, create, update, evict or delete Pods, nor write or patch Events about a Pod, in
+any namespace. With podResources off the token has the very same rights."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import pytest
 import yaml
 
 from agent.kube.client import MERGE_PATCH, ApiError, KubeApi
+from agent.report.blast_radius import EVENT_REASON as POD_EVENT_REASON
+from agent.report.events import EventReporter
 from testkit.chart import CHART, KUBECTL, Release, apply_release, by_kind, helm, render
 from testkit.cluster import EVENT_NAMESPACE, bound_token, create_node, ensure_namespace
 from testkit.controlplane import ControlPlane
@@ -71,6 +74,15 @@ def pod_event(e: Env, **over: Any) -> dict[str, Any]:
     return body
 
 
+def node_event(e: Env) -> dict[str, Any]:
+    """The blast-radius Event as the agent writes it: about its Node, in the events namespace, naming the pod."""
+    note = f"GPU 0 (00000000:19:00.0, GPU-x) on node {e.node_a} is unhealthy: FatalXid: Xid 79; pod {e.ns}/{e.pod} "
+    body = pod_event(e, note=note + "holds 1 slot(s) of it (containers: main)")
+    body["metadata"] = {"name": f"{e.node_a}.{secrets.token_hex(6)}"}
+    body["regarding"] = {"apiVersion": "v1", "kind": "Node", "name": e.node_a}
+    return body
+
+
 def events_path(ns: str, name: str = "") -> str:
     return f"/apis/events.k8s.io/v1/namespaces/{ns}/events" + (f"/{name}" if name else "")
 
@@ -110,30 +122,30 @@ POD = lambda e: f"/api/v1/namespaces/{e.ns}/pods/{e.pod}"  # noqa: E731
 OWN_EVENTS = "policy own-events-only"
 
 ATTEMPTS: list[Attempt] = [
-    # ---- allowed ------------------------------------------------------------------------------------------------
-    Attempt("get a pod (its UID)", "GET", POD, None, 200),
-    Attempt("Event about a pod, in its namespace", "POST", lambda e: events_path(e.ns), pod_event, 201),
+    # ---- allowed: the blast-radius Event, about its Node, naming the pod ----------------------------------------
+    Attempt("Event about its Node naming the pod", "POST", lambda e: events_path(EVENT_NAMESPACE), node_event, 201),
+    # ---- before, with podResources: a pod's UID and Events about the pod ----------------------------------------
+    Attempt("get a pod (its UID)", "GET", POD, None, 403, "RBAC"),
+    Attempt("Event about a pod, in its namespace", "POST", lambda e: events_path(e.ns), pod_event, 403, "RBAC"),
     Attempt(
         "patch the series of its own pod Event",
         "PATCH",
         lambda e: events_path(e.ns, e.event),
         lambda e: SERIES,
-        200,
+        403,
+        "RBAC",
         content_type=MERGE_PATCH,
         setup=own_pod_event,
     ),
     Attempt(
-        "Event about its Node (unchanged)",
+        "Event about a pod in the events namespace",
         "POST",
         lambda e: events_path(EVENT_NAMESPACE),
-        lambda e: pod_event(
-            e,
-            metadata={"name": f"{e.node_a}.{secrets.token_hex(6)}"},
-            regarding={"apiVersion": "v1", "kind": "Node", "name": e.node_a},
-        ),
-        201,
+        lambda e: pod_event(e, metadata={"name": f"x.{secrets.token_hex(6)}", "namespace": EVENT_NAMESPACE}),
+        403,
+        OWN_EVENTS,
     ),
-    # ---- pods: read one, nothing else ------------------------------------------------------------------------
+    # ---- pods: nothing ---------------------------------------------------------------------------------------------
     Attempt("list pods in a namespace", "GET", lambda e: f"/api/v1/namespaces/{e.ns}/pods", None, 403, "RBAC"),
     Attempt("list pods of the cluster", "GET", lambda e: "/api/v1/pods", None, 403, "RBAC"),
     Attempt(
@@ -166,14 +178,14 @@ ATTEMPTS: list[Attempt] = [
     Attempt(
         "evict a pod", "POST", lambda e: POD(e) + "/eviction", lambda e: {"metadata": {"name": e.pod}}, 403, "RBAC"
     ),
-    # ---- Events: only gpu-ready's, about a Pod in the Event's namespace, from this node -----------------------
+    # ---- Events in a workload namespace: none (RBAC grants Events only in the events namespace) ------------------
     Attempt(
         "pod Event with another reportingController",
         "POST",
         lambda e: events_path(e.ns),
         lambda e: pod_event(e, reportingController="kubelet"),
         403,
-        OWN_EVENTS,
+        "RBAC",
     ),
     Attempt(
         "pod Event as another node's agent (reportingInstance)",
@@ -181,7 +193,7 @@ ATTEMPTS: list[Attempt] = [
         lambda e: events_path(e.ns),
         lambda e: pod_event(e, reportingInstance=f"gpu-ready-{e.node_b}"),
         403,
-        OWN_EVENTS,
+        "RBAC",
     ),
     Attempt(
         "Event about another kind (Deployment) in the namespace",
@@ -191,7 +203,7 @@ ATTEMPTS: list[Attempt] = [
             e, regarding={"apiVersion": "apps/v1", "kind": "Deployment", "namespace": e.ns, "name": "d"}
         ),
         403,
-        OWN_EVENTS,
+        "RBAC",
     ),
     Attempt(
         "Event about another kind (Secret) in the namespace",
@@ -199,14 +211,15 @@ ATTEMPTS: list[Attempt] = [
         lambda e: events_path(e.ns),
         lambda e: pod_event(e, regarding={"apiVersion": "v1", "kind": "Secret", "namespace": e.ns, "name": "s"}),
         403,
-        OWN_EVENTS,
+        "RBAC",
     ),
     Attempt(
         "Event about a Node outside the events namespace",
         "POST",
         lambda e: events_path(e.ns),
         lambda e: pod_event(e, regarding={"apiVersion": "v1", "kind": "Node", "name": e.node_a}),
-        422,  # the apiserver refuses it before admission: a Node's Events live only in default or kube-system
+        403,
+        "RBAC",
     ),
     Attempt(
         "pod Event in another namespace than the pod's",
@@ -214,7 +227,7 @@ ATTEMPTS: list[Attempt] = [
         lambda e: events_path(e.other_ns),
         pod_event,
         403,
-        OWN_EVENTS,
+        "RBAC",
     ),
     Attempt(
         "pod Event relating to another object",
@@ -222,7 +235,7 @@ ATTEMPTS: list[Attempt] = [
         lambda e: events_path(e.ns),
         lambda e: pod_event(e, related={"apiVersion": "v1", "kind": "Secret", "namespace": e.ns, "name": "s"}),
         403,
-        OWN_EVENTS,
+        "RBAC",
     ),
     Attempt(
         "patch another controller's pod Event",
@@ -230,7 +243,7 @@ ATTEMPTS: list[Attempt] = [
         lambda e: events_path(e.ns, e.event),
         lambda e: SERIES,
         403,
-        OWN_EVENTS,
+        "RBAC",
         content_type=MERGE_PATCH,
         setup=admin_pod_event("kubelet"),
     ),
@@ -240,7 +253,7 @@ ATTEMPTS: list[Attempt] = [
         lambda e: events_path(e.ns, e.event),
         lambda e: {"reportingController": "kubelet"},
         403,
-        "",  # immutable field (422) or the policy (403): either way not allowed; the policy runs after validation
+        "RBAC",
         content_type=MERGE_PATCH,
         setup=own_pod_event,
     ),
@@ -278,7 +291,7 @@ def pods_cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathF
     api = c.token(on, a)
     wait_for(  # the policies take a moment to load after creation
         lambda: denied_by_policy(
-            lambda: api.request("POST", events_path(ns), pod_event(env, reportingController="kubelet")),
+            lambda: api.request("POST", events_path(EVENT_NAMESPACE), {**node_event(env), "reportingController": "x"}),
             f"{on.fullname}-own-events-only",
         ),
         60,
@@ -308,12 +321,13 @@ def attempt(c: PodsCluster, rel: Release, a: Attempt) -> tuple[int, str]:
 
 
 @pytest.mark.apiserver
-def test_with_pod_resources_the_agent_reads_pods_and_writes_pod_events_only(pods_cluster):
+@pytest.mark.parametrize("pod_resources", [True, False], ids=["podResources on", "podResources off"])
+def test_the_agent_reads_no_pod_and_writes_events_only_about_its_node(pods_cluster, pod_resources):
     problems = []
+    rel = pods_cluster.on if pod_resources else pods_cluster.off
     for a in ATTEMPTS:
-        code, message = attempt(pods_cluster, pods_cluster.on, a)
-        expect = {a.expect, 422} if a.what.startswith("turn its own") else {a.expect}
-        if code not in expect:
+        code, message = attempt(pods_cluster, rel, a)
+        if code != a.expect:
             problems.append(f"{a.what}: expected {a.expect}, got {code} {message[:300]}")
         elif a.by and denied_by(message) != a.by:
             problems.append(f"{a.what}: denied by {denied_by(message)!r}, expected {a.by!r}: {message[:200]}")
@@ -322,39 +336,31 @@ def test_with_pod_resources_the_agent_reads_pods_and_writes_pod_events_only(pods
 
 
 @pytest.mark.apiserver
-def test_the_event_the_agent_may_write_is_on_the_pod(pods_cluster):
-    """The allowed Event is visible where `kubectl describe pod` looks: core/v1 events with the pod's UID."""
+def test_the_blast_radius_event_is_on_the_node_and_names_the_pod(pods_cluster):
+    """The agent's own code writes it (EventReporter with the token): `kubectl describe node` shows it, with the pod's
+    namespace and name in the note."""
     c, e = pods_cluster, pods_cluster.env
     api = c.token(c.on, e.node_a)
-    body = pod_event(e, note="blast radius proof")
     try:
-        api.request("POST", events_path(e.ns), body)
+        rep = EventReporter(api, e.node_a, 300.0, EVENT_NAMESPACE)
+        rep.record(POD_EVENT_REASON, node_event(e)["note"], f"00000000:19:00.0|{e.ns}/{e.pod}")
+        assert rep.flush() == 1
     finally:
         api.close()
     got = c.admin.request(
-        "GET", f"/api/v1/namespaces/{e.ns}/events", query={"fieldSelector": f"involvedObject.uid={e.uid}"}
+        "GET",
+        f"/api/v1/namespaces/{EVENT_NAMESPACE}/events",
+        query={"fieldSelector": f"involvedObject.name={e.node_a}"},
     )
-    assert "blast radius proof" in [x["message"] for x in got["items"]]
-
-
-@pytest.mark.apiserver
-def test_without_pod_resources_no_pod_rights(pods_cluster):
-    c = pods_cluster
-    for a in ATTEMPTS[:2]:  # get a pod, an Event about a pod
-        code, message = attempt(c, c.off, a)
-        assert code == 403, f"{a.what}: {code} {message[:200]}"
-        assert denied_by(message) in ("RBAC", OWN_EVENTS), message[:300]
+    notes = [x["message"] for x in got["items"] if x["reason"] == POD_EVENT_REASON]
+    assert any(f"pod {e.ns}/{e.pod} holds 1 slot" in n for n in notes), notes
 
 
 def test_rendered_rbac_and_mount_follow_the_value():
     on, off = render(ON), render([])
-    roles = by_kind(on, "ClusterRole")
-    assert roles["gpu-ready-pods"]["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
-        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-    ]
-    assert "gpu-ready-pods" not in by_kind(off, "ClusterRole")
-    assert by_kind(off, "ClusterRole")["gpu-ready"] == by_kind(on, "ClusterRole")["gpu-ready"]  # base unchanged
+    for kind in ("ClusterRole", "Role", "ValidatingAdmissionPolicy"):  # podResources grants the token nothing
+        assert by_kind(on, kind) == by_kind(off, kind), kind
+    assert "pods" not in json.dumps([r["rules"] for r in by_kind(on, "ClusterRole").values()])
     spec = by_kind(on, "DaemonSet")["gpu-ready"]["spec"]["template"]["spec"]
     (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "pod-resources"]
     assert mount == {"name": "pod-resources", "mountPath": "/var/lib/kubelet/pod-resources", "readOnly": True}
@@ -367,7 +373,8 @@ def test_rendered_rbac_and_mount_follow_the_value():
     assert cfg_on["podResources"] is True and cfg_off["podResources"] is False
     # config.podResources alone turns on the same (one switch, no duplicate key)
     both = render(["--set", "config.podResources=true"])
-    assert "gpu-ready-pods" in by_kind(both, "ClusterRole")
+    assert [v for v in by_kind(both, "DaemonSet")["gpu-ready"]["spec"]["template"]["spec"]["volumes"]
+            if v["name"] == "pod-resources"]  # fmt: skip
     text = by_kind(both, "ConfigMap")["gpu-ready"]["data"]["config.yaml"]
     assert text.count("podResources:") == 1 and yaml.safe_load(text)["podResources"] is True
     assert json.dumps(by_kind(off, "ValidatingAdmissionPolicy")).count('"Pod"') == 0
@@ -403,4 +410,4 @@ def test_server_side_dry_run_with_pod_resources(values, control_plane, admin, tm
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("(server dry run)") == len(docs)
-    assert f"clusterrole.rbac.authorization.k8s.io/{ns}-gpu-ready-pods" in r.stdout or "gpu-ready-pods" in r.stdout
+    assert "gpu-ready-pods" not in r.stdout

@@ -7,11 +7,16 @@ gpu-ready attributes to that GPU, so the scheduler keeps the node's other GPUs s
 - Which devices: the GPU's `type=gpu` device and every MIG device whose `parentUUID` is that GPU (the NVIDIA
   driver itself does not propagate a parent's fault: dra-driver-nvidia-gpu#1316). A rule's selector holds only
   driver, pool and device, hence one rule per device.
-- The rule: name `gpu-ready.<node>.<device>` (a hash of the node when that is over 253 characters), labels
-  `app.kubernetes.io/managed-by=gpu-ready` and `gpu-ready.io/node=<node>`, annotation `gpu-ready.io/gpu=<PCI bus
-  id>`, taint `gpu-ready.io/unhealthy=<reason>` with effect None (dry run: the eviction controller only reports
-  what NoExecute would do), NoSchedule, or NoExecute (opt-in).
-- Clearing: rules are found by label on every reconcile (not remembered), so a rule goes when its GPU is healthy
+- The rule: name `gpu-ready.<node>.<n>`, n the lowest number from 0 to maxRules - 1 that none of the node's rules
+  has (rules are cluster-scoped and no quota counts them: the chart's admission policy allows only these names, so
+  a node can own at most maxRules rules); a node name over LONG_NODE characters is replaced by the Node's UID,
+  `gpu-ready-uid.<uid>.<n>` (the policy cannot hash a name, but it sees the UID in the token), so the names of two
+  nodes never collide. Labels `app.kubernetes.io/managed-by=gpu-ready` and `gpu-ready.io/node=<node>`, annotation
+  `gpu-ready.io/gpu=<PCI bus id>`, taint `gpu-ready.io/unhealthy=<reason>` with effect None (dry run: the eviction
+  controller only reports what NoExecute would do), NoSchedule, or NoExecute (opt-in). A rule is matched to its
+  device by its selector (driver, pool, device), not by its name.
+- Clearing: rules are found by label (and their pool) on every reconcile (not remembered), so a rule goes when its
+  GPU is healthy
   again (recovery after hysteresis, `clear-before`, a new boot), also after an agent restart. A GPU whose health
   could not be checked (Unknown) keeps its rules; so does every rule while the slices cannot be read.
 
@@ -26,7 +31,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 from urllib.parse import quote
@@ -44,6 +49,7 @@ MANAGED_BY = "gpu-ready"
 NODE_LABEL = "gpu-ready.io/node"
 GPU_ANNOTATION = "gpu-ready.io/gpu"
 NAME_PREFIX = "gpu-ready."
+UID_NAME_PREFIX = "gpu-ready-uid."  # never a prefix of a NAME_PREFIX name: the two forms cannot collide
 GROUP = "resource.k8s.io"
 VERSIONS = ("v1", "v1beta2")  # 1.37: v1; 1.36 with the DRADeviceTaintRules gate: v1beta2
 FENCE_REASONS: tuple[Reason, ...] = (Reason.FATAL_XID, Reason.NVIDIA_SMI_ERR, Reason.NVML_HEALTH)
@@ -51,6 +57,11 @@ MAX_NAME = 253
 MAX_LABEL_VALUE = 63
 MAX_RULES_LISTED = 1000  # bounds the work on a malformed list
 DEFAULT_MAX_RULES = 128  # per node: 8 GPUs with 7 MIG devices each need 64
+MAX_SLOTS = 1024  # fencing_max_rules at most: rule numbers have at most 4 digits
+# The longest node name for which gpu-ready.<node>.<n> fits 253 characters with n up to 1023 (the chart's
+# fencing.yaml has the same number); a longer one is replaced by the Node's UID.
+LONG_NODE = MAX_NAME - len(NAME_PREFIX) - len(f".{MAX_SLOTS - 1}")
+_SLOT = re.compile(r"0|[1-9][0-9]{0,3}")
 _SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 
@@ -126,15 +137,20 @@ def _digest(text: str, n: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:n]
 
 
-def rule_name(node: str, device: str) -> str:
-    """`gpu-ready.<node>.<device>`; when that is over 253 characters the node part is cut and a hash of the
-    node added, so the name stays unique and deterministic."""
-    name = f"{NAME_PREFIX}{node}.{device}"
-    if len(name) <= MAX_NAME:
-        return name
-    keep = MAX_NAME - len(NAME_PREFIX) - len(device) - 1 - 17
-    head = node[: max(keep, 1)].rstrip(".-") or "n"
-    return f"{NAME_PREFIX}{head}-{_digest(node, 16)}.{device}"
+def rule_prefix(node: str, node_uid: str | None = None) -> str | None:
+    """What every rule name of the node starts with: `gpu-ready.<node>.`, or `gpu-ready-uid.<uid>.` for a node name
+    over LONG_NODE characters (None while its UID is unknown)."""
+    if len(node) <= LONG_NODE:
+        return f"{NAME_PREFIX}{node}."
+    return f"{UID_NAME_PREFIX}{node_uid}." if node_uid else None
+
+
+def slot_of(name: str, prefix: str | None, max_rules: int) -> int | None:
+    """The rule number of `name` when it is one of the node's names (`<prefix><n>`, n below max_rules), else None."""
+    if not prefix or not name.startswith(prefix):
+        return None
+    rest = name[len(prefix) :]
+    return int(rest) if _SLOT.fullmatch(rest) and int(rest) < max_rules else None
 
 
 def node_label(node: str) -> str:
@@ -150,7 +166,7 @@ def valid_name(name: str) -> bool:
 
 @dataclass(frozen=True)
 class DesiredRule:
-    name: str
+    name: str  # "" until plan_fencing gives it one of the node's names
     node: str
     driver: str
     pool: str
@@ -197,6 +213,9 @@ class ExistingRule:
     effect: str
     time_added: str | None
     gpu: PciAddress | None  # from the gpu-ready.io/gpu annotation
+
+    def selects(self, d: DesiredRule) -> bool:
+        return (self.driver, self.pool, self.device) == (d.driver, d.pool, d.device)
 
     def same_as(self, d: DesiredRule) -> bool:
         return (self.driver, self.pool, self.device, self.key, self.value, self.effect) == (
@@ -256,6 +275,7 @@ class FencePlan:
     delete: tuple[ExistingRule, ...] = ()
     keep: tuple[ExistingRule, ...] = ()  # as wanted, or held (health unknown)
     notes: tuple[str, ...] = ()  # faulty GPUs that cannot be fenced, and why
+    waiting: int = 0  # rules wanted that got no name (every number taken): planned again after the deletes
 
     def __bool__(self) -> bool:
         return bool(self.create or self.update or self.delete)
@@ -285,11 +305,7 @@ def desired_rules(
             unknown.add(addr)
             continue
         for d in g.devices:
-            out.append(
-                DesiredRule(
-                    rule_name(node, d.name), node, d.driver, d.pool, d.name, addr, view.faulty[addr], settings.effect
-                )
-            )
+            out.append(DesiredRule("", node, d.driver, d.pool, d.name, addr, view.faulty[addr], settings.effect))
     if len(out) > settings.max_rules:
         notes.append(f"{len(out)} devices to fence, more than maxRules {settings.max_rules}: the rest not fenced")
         out = out[: settings.max_rules]
@@ -303,10 +319,30 @@ def plan_fencing(
     node: str,
     settings: FencingSettings,
     verdict_status: Status,
+    node_uid: str | None = None,
 ) -> FencePlan:
-    """Desired vs existing (found by label). Pure. A rule not wanted any more is deleted when its GPU is healthy
-    or its devices changed, and kept while its GPU's health is unknown."""
+    """Desired vs existing (found by label). Pure. A wanted rule keeps the name of the node's rule that selects its
+    device, else gets the lowest free number. A rule not wanted any more is deleted when its GPU is healthy or its
+    devices changed, and kept while its GPU's health is unknown."""
     want, notes, unknown = desired_rules(view, inventory, node, settings)
+    prefix = rule_prefix(node, node_uid)
+    if prefix is None and want:
+        notes.append(f"the node name is over {LONG_NODE} characters and its UID is unknown: nothing fenced")
+    named = [r for r in existing if slot_of(r.name, prefix, settings.max_rules) is not None]
+    taken = {slot_of(r.name, prefix, settings.max_rules) for r in named}
+    free = (n for n in range(settings.max_rules) if n not in taken)
+    assigned: list[DesiredRule] = []
+    waiting = 0
+    for w in want if prefix is not None else []:
+        have = next((r for r in named if r.selects(w) and r.name not in {a.name for a in assigned}), None)
+        n = None if have is not None else next(free, None)
+        if have is None and n is None:
+            waiting += 1
+            continue
+        assigned.append(replace(w, name=have.name if have is not None else f"{prefix}{n}"))
+    if waiting:
+        notes.append(f"{waiting} devices wait for a free rule name (maxRules {settings.max_rules})")
+    want = assigned
     by_name = {d.name: d for d in want}
     update: list[tuple[ExistingRule, DesiredRule]] = []
     delete: list[ExistingRule] = []
@@ -333,7 +369,7 @@ def plan_fencing(
             held = verdict_status is not Status.TRUE
         (keep if held else delete).append(r)
     create = [d for d in want if d.name not in seen]
-    return FencePlan(tuple(create), tuple(update), tuple(delete), tuple(keep), tuple(notes))
+    return FencePlan(tuple(create), tuple(update), tuple(delete), tuple(keep), tuple(notes), waiting)
 
 
 # -- the reporter ------------------------------------------------------------------------------------------------
@@ -438,12 +474,13 @@ class FenceReporter:
         self.last: FenceResult | None = None
         self._last_key: tuple[Any, ...] | None = None
         self._listed_at = 0.0
+        self.node_uid: str | None = None  # read once, only for a node name over LONG_NODE characters
 
     def _key(self, verdict: Verdict, inventory: DraInventory | None) -> tuple[Any, ...]:
         """What a reconcile depends on besides the rules themselves."""
         view = fence_view(verdict)
         want, _, unknown = desired_rules(view, inventory, self.node, self.settings)
-        rules = tuple((d.name, d.driver, d.pool, d.device, d.reason, d.effect) for d in want)
+        rules = tuple((d.driver, d.pool, d.device, d.reason, d.effect) for d in want)
         unjudged = frozenset(view.unjudged.items())
         return (rules, view.healthy, view.hold_all, view.hold_reasons, unjudged, frozenset(unknown), verdict.status)
 
@@ -474,9 +511,20 @@ class FenceReporter:
         return f"{base}/{quote(name)}" if name else base
 
     def list_rules(self, version: str) -> list[ExistingRule]:
+        """The node's rules: by label, then only those selecting a device of this node's pool (the label of a long
+        node name is a hash no admission policy can check)."""
         selector = f"{MANAGED_BY_LABEL}={MANAGED_BY},{NODE_LABEL}={node_label(self.node)}"
         obj = self.api.request("GET", self._path(version), query={"labelSelector": selector}, verb="LIST")
-        return parse_rules(obj.get("items"))
+        return [r for r in parse_rules(obj.get("items")) if r.pool == self.node]
+
+    def uid(self, result: FenceResult) -> str | None:
+        """The Node's UID when its name is too long for a rule name (one GET, then remembered); else None."""
+        if len(self.node) <= LONG_NODE or self.node_uid:
+            return self.node_uid
+        result.reads += 1
+        uid = (self.api.get_node(self.node).get("metadata") or {}).get("uid")
+        self.node_uid = uid if isinstance(uid, str) and uid else None
+        return self.node_uid
 
     def reconcile(self, verdict: Verdict, inventory: DraInventory | None, force: bool = False) -> FenceResult:
         """One LIST, then one write per rule to change. Errors are in the result (never raised); rules that
@@ -505,12 +553,15 @@ class FenceReporter:
                 return self._done(result)
             result.reads += 1
             existing = self.list_rules(version)
+            uid = self.uid(result)
         except ApiError as e:
             result.errors.append(f"cannot list DeviceTaintRules: {e}")
             return self._done(result)
         view = fence_view(verdict)
-        plan = plan_fencing(view, inventory, existing, self.node, self.settings, verdict.status)
+        plan = plan_fencing(view, inventory, existing, self.node, self.settings, verdict.status, uid)
         result.plan = plan
+        if plan.waiting:  # names free up with this reconcile's deletes: plan again at the next one
+            self._last_key = None
         now: dict[str, ExistingRule | DesiredRule] = {r.name: r for r in existing}
         done = result.changed
         for d in plan.create:
@@ -539,11 +590,12 @@ class FenceReporter:
                 return result
             result.reads += 1
             existing = self.list_rules(version)
+            uid = self.uid(result)
         except ApiError as e:
             result.errors.append(f"cannot list DeviceTaintRules: {e}")
             return result
         view = fence_view(verdict)
-        result.plan = plan_fencing(view, inventory, existing, self.node, self.settings, verdict.status)
+        result.plan = plan_fencing(view, inventory, existing, self.node, self.settings, verdict.status, uid)
         result.fenced = tuple(_fenced(r) for r in sorted(existing, key=lambda r: r.name))
         return result
 

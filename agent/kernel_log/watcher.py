@@ -185,7 +185,7 @@ class KmsgWatcher:
             with self._lock:
                 self._fresh += fresh
         self.metrics.kmsg_records.inc(src.records_read - before)
-        return len(records) >= KMSG_BATCH, bool(fresh)
+        return src.more, bool(fresh)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="kmsg-watcher", daemon=True)
@@ -252,11 +252,14 @@ class KernelLogProbe:
 
     check = Check.XID
 
-    def __init__(self, problem: Callable[[], str | None]) -> None:
+    def __init__(self, problem: Callable[[], str | None], unsaved: Callable[[], str | None] = lambda: None) -> None:
         self.problem = problem  # why the log cannot be read now (the watcher's, or a one-shot read's); None: fine
+        self.unsaved = unsaved  # why a latched fault would not survive a restart now; None: it would
 
     def read(self, context: ProbeContext) -> ProbeResult:
         why = self.problem()
+        if why is None and (store := self.unsaved()) is not None:
+            why = f"latched faults cannot be saved: {store}"
         if why is None:
             return ProbeResult(Check.XID)
         return ProbeResult.of(Check.XID, (Finding.unchecked(Check.XID, why, kind="kmsg_unavailable"),))

@@ -25,7 +25,7 @@ from agent.preflight.onboarding import (
 )
 from agent.preflight.profile import Profile, ProfileError
 from agent.preflight.result import FAIL, GATES, GateFn, GateResult, passed
-from agent.settings import ConfigError, load_json, read_text_file
+from agent.settings import ConfigError, load_json, own_label_key, read_text_file
 
 STEPS = ("all", "cordon", "gates", "record")
 SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
@@ -79,6 +79,11 @@ def _check_usage(args: argparse.Namespace) -> list[str]:
         raise UsageError(f"--step {args.step} needs --node")
     if args.step in ("gates", "record") and not args.results:
         raise UsageError(f"--step {args.step} needs --results")
+    for flag, value in (("--label-key", args.label_key), ("--needs-label", args.needs_label)):
+        try:  # the admission policy lets preflight's token change these two labels: never Kubernetes' own
+            own_label_key(value)
+        except ValueError as e:
+            raise UsageError(f"{flag}: {e}") from None
     wanted = [g.strip() for g in args.gates.split(",") if g.strip()]
     bad = [g for g in wanted if g not in GATES]
     if bad:

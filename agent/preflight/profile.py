@@ -157,7 +157,7 @@ class Profile:
         """Validates and converts every key; raises ProfileError naming the key."""
         if not isinstance(data, dict):
             raise ProfileError("the profile must be a mapping")
-        unknown = sorted(_show(k) for k in set(data) - set(KEYS))
+        unknown = sorted((k if isinstance(k, str) else _show(k))[:60] for k in set(data) - set(KEYS))
         if unknown:
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise ProfileError(f"unknown profile keys: {', '.join(unknown[:5])}{more} (known: {', '.join(KEYS)})")

@@ -82,6 +82,7 @@ class Shared:
     slice_cache: SliceCache | None = None  # the runner's watch of them; None: a LIST when needed
     started: float = 0.0  # the suite's start on `clock` (the device plugin's start-up grace)
     kernel_log: Callable[[], str | None] = lambda: None  # why the kernel log cannot be read now; None: it can
+    latch_store: Callable[[], str | None] = lambda: None  # why a latch would not survive a restart; None: it would
 
 
 @dataclass(frozen=True)

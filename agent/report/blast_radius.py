@@ -1,13 +1,12 @@
-"""Publishing the allocation map (docs/allocation.md): metrics, the blast-radius Events on the Pods that
-hold a slot of a GPU that turned bad, the pod count for the condition message, and the `gpu-ready gpus` table.
+"""Publishing the allocation map (docs/allocation.md): metrics, the blast-radius Events (on the Node, one per pod
+that holds a slot of a GPU that turned bad, naming the pod), the pod count for the condition message, and the
+`gpu-ready gpus` table.
 Reporters only: the map comes from agent/allocation.py (built by the check suite), the health from the verdict.
 
 Labels are bounded: per GPU only `pci_bus_id` (NVML form, as on every per-GPU metric); never pod names."""
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +15,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from agent.allocation import AllocationMap, GpuAllocation, PodRef
-from agent.kube.client import ApiError, KubeApi
 from agent.model import GpuStatus, PciAddress, Status, Verdict
 
 EVENT_REASON = "GPUUnhealthy"
 EVENTS_PER_CYCLE = 50  # blast-radius Events queued per publish at most; the rest are counted, not written
-UID_CACHE = 4096  # pods whose UID is remembered
 UUID_SHORT = 12  # characters of a GPU UUID shown in the table
 
 
@@ -101,7 +98,7 @@ class AllocationMetrics:
 
 @dataclass(frozen=True)
 class PodEvent:
-    """One blast-radius Event to write: about `pod`, in its namespace."""
+    """One blast-radius Event to write (on the Node): `pod` in `namespace` holds a slot of the bad GPU."""
 
     namespace: str
     pod: str
@@ -111,9 +108,6 @@ class PodEvent:
     @property
     def key(self) -> str:
         return f"{self.gpu}|{self.namespace}/{self.pod}"
-
-    def regarding(self) -> dict[str, Any]:
-        return {"apiVersion": "v1", "kind": "Pod", "namespace": self.namespace, "name": self.pod}
 
 
 def _address(g: GpuStatus) -> PciAddress | None:
@@ -151,8 +145,8 @@ def pod_event_note(g: GpuAllocation, status: GpuStatus, node: str, namespace: st
     problems = "; ".join(status.problems) or "unhealthy"
     containers = _containers(g.pods, namespace, pod)
     return (
-        f"{where} on node {node} is unhealthy: {problems}; this pod holds {len(containers)} slot(s) of it "
-        f"(containers: {', '.join(containers)})"
+        f"{where} on node {node} is unhealthy: {problems}; pod {namespace}/{pod} holds {len(containers)} slot(s) of "
+        f"it (containers: {', '.join(containers)})"
     )[:1000]
 
 
@@ -189,36 +183,6 @@ class BlastRadius:
                 self.told.add(key)
                 out.append(PodEvent(ns, pod, g.gpu.nvml, pod_event_note(g, bad[g.gpu], self.node, ns, pod)))
         return out
-
-
-class PodUids:
-    """The UID of a Pod, read with one GET per pod (RBAC `get pods`) and remembered (bounded LRU). A pod that
-    cannot be read gives None (its Event then goes without uid); only answers are cached."""
-
-    def __init__(self, api: KubeApi, limit: int = UID_CACHE) -> None:
-        self.api = api
-        self.limit = limit
-        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __call__(self, namespace: str, name: str) -> str | None:
-        key = (namespace, name)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        try:
-            pod = self.api.request("GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
-        except ApiError:
-            return None
-        uid = (pod.get("metadata") or {}).get("uid") if isinstance(pod, dict) else None
-        if not isinstance(uid, str) or not uid:
-            return None
-        with self._lock:
-            self._cache[key] = uid
-            while len(self._cache) > self.limit:
-                self._cache.popitem(last=False)
-        return uid
 
 
 # -- `gpu-ready gpus` ---------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from agent.logs import get_logger
 CONTROLLER = "gpu-ready"
 NAMESPACE = "default"
 QUEUE_LIMIT = 10_000
+MAX_NAME = 253  # an Event's name, like a Node's, is a DNS subdomain of at most 253 characters
 
 
 def micro_time(ts: float) -> str:
@@ -160,7 +161,7 @@ class EventReporter:
         return ref
 
     def _create(self, p: PendingEvent, slot: _Slot) -> None:
-        name = f"{self.node}.{secrets.token_hex(8)}"
+        name = f"{self.node[: MAX_NAME - 17].rstrip('.-')}.{secrets.token_hex(8)}"  # a name, at most 253
         namespace = self.namespace
         body = {
             "apiVersion": "events.k8s.io/v1",

@@ -137,6 +137,12 @@ class Metrics:
             "gpu_ready_build_info", "Always 1; the version label says which build", ["version"], registry=r
         )
         self.build_info.labels(__version__).set(1)
+        self.light_client = Gauge(
+            "gpu_ready_light_client",
+            "1 when the Kubernetes client's REST layer was imported on the light path (agent/lazy.py), 0 when the "
+            "agent fell back to the whole client (an unknown kubernetes package layout, or GPU_READY_FULL_CLIENT)",
+            registry=r,
+        )
         self.taints = TaintMetrics(r)  # gpu_ready_taint{effect}, gpu_ready_taint_changes_total (docs/taints.md)
         # gpu_ready_gpu_{slots,allocated_slots,pods,fenced}{pci_bus_id}, free whole GPUs, packing ratio, ... from
         # pod-resources (docs/allocation.md); absent while podResources is off

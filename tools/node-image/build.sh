@@ -54,7 +54,7 @@ if ! podman image exists "$base_image"; then
 fi
 
 # -- 2. the agent image ------------------------------------------------------------------------------------
-inputs=(pyproject.toml README.md LICENSE docker/Dockerfile docker/install.sh)
+inputs=(pyproject.toml README.md LICENSE requirements/runtime.lock docker/Dockerfile docker/install.sh)
 agent_key=$({
   echo "$base_key"
   (cd "$repo" && find agent -type f ! -path '*/__pycache__/*' ! -name '*.pyc' | LC_ALL=C sort; printf '%s\n' "${inputs[@]}") |
@@ -67,20 +67,24 @@ if [ ! -s "$agent_tar" ]; then
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
   # The build context: exactly the files the Dockerfile copies.
-  mkdir -p "$work/ctx/docker" "$work/wheels"
+  mkdir -p "$work/ctx/docker" "$work/ctx/requirements" "$work/wheels"
   cp -r "$repo/agent" "$repo/pyproject.toml" "$repo/README.md" "$repo/LICENSE" "$work/ctx/"
   cp "$repo/docker/install.sh" "$work/ctx/docker/"
+  cp "$repo/requirements/runtime.lock" "$work/ctx/requirements/"
   find "$work/ctx" -name __pycache__ -prune -exec rm -rf {} +
   # Wheels for the image's Python (3.11, glibc x86_64), downloaded here with the host's pip and its trust
-  # settings; the build container then installs with no index and no network.
-  mapfile -t reqs < <("$py" -c 'import sys, tomllib; d = tomllib.load(open(sys.argv[1], "rb"))
-print(*d["build-system"]["requires"], *d["project"]["dependencies"],
-      *d["project"]["optional-dependencies"]["podresources"], sep="\n")' "$repo/pyproject.toml")
-  log "agent: downloading wheels for ${#reqs[@]} requirements"
-  "$py" -m pip download --quiet --disable-pip-version-check --only-binary=:all: --dest "$work/wheels" \
-    --python-version 3.11 --implementation cp --abi cp311 --abi abi3 --abi none \
-    --platform manylinux_2_36_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform linux_x86_64 --platform any "${reqs[@]}"
+  # settings: the runtime set as requirements/runtime.lock pins and hashes it, and the build backend
+  # (build-system.requires) that builds gpu-ready itself; the build container then installs with no index and no
+  # network.
+  mapfile -t build_reqs < <("$py" -c 'import sys, tomllib
+print(*tomllib.load(open(sys.argv[1], "rb"))["build-system"]["requires"], sep="\n")' "$repo/pyproject.toml")
+  download=("$py" -m pip download --quiet --disable-pip-version-check --only-binary=:all: --dest "$work/wheels"
+    --python-version 3.11 --implementation cp --abi cp311 --abi abi3 --abi none
+    --platform manylinux_2_36_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+    --platform manylinux2014_x86_64 --platform linux_x86_64 --platform any)
+  log "agent: downloading the wheels of requirements/runtime.lock and ${build_reqs[*]}"
+  "${download[@]}" --require-hashes -r "$repo/requirements/runtime.lock"
+  "${download[@]}" "${build_reqs[@]}"
   printf '[global]\nno-index = true\nfind-links = /wheels\n' >"$work/pip.conf"
   log "agent: podman build (BASE_IMAGE=$base_image, no network)"
   podman build --quiet "${podman_run_opts[@]}" --pull=never --network=none \

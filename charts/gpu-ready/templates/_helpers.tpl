@@ -31,8 +31,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
+{{- /* The image: repository@digest when image.digest is set (a release's chart pins the digest it pushed), else
+repository:tag (tag defaults to the chart's appVersion). */ -}}
 {{- define "gpu-ready.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{- /* "true" when the agent reads pod-resources (podResources.enabled, or config.podResources), else "". */ -}}
@@ -159,7 +165,7 @@ volumeMounts:
 {{- $within := include "gpu-ready.cel.fieldsWithin" (dict "n" `n.?fieldsV1.orValue({})` "m" `m.?fieldsV1.orValue({})` "tree" .tree) }}
 {{- $gone := include "gpu-ready.cel.fieldsWithin" (dict "n" `{}` "m" `m.?fieldsV1.orValue({})` "tree" .tree) }}
 - expression: >-
-    !variables.isUpdate || request.subResource != "" || (
+    !variables.isUpdate || request.?subResource.orValue("") != "" || (
     oldObject.metadata.?managedFields.orValue([]).all(m, m.?manager.orValue("") == {{ $own }}
     || object.metadata.?managedFields.orValue([]).exists(n, {{ $ident | nindent 4 }}
     && {{ $within | nindent 4 }})
@@ -171,4 +177,33 @@ volumeMounts:
     {{ .who }} may not change metadata.managedFields (only the apiserver changes them, for the fields the write
     changes)
   reason: Forbidden
+{{- end -}}
+
+{{- /* Names the admission policies exempt for gpu-ready's tokens must be gpu-ready's own: never kubelet's
+       conditions, a Kubernetes-reserved prefix (kubernetes.io/, k8s.io/ and their subdomains: node.kubernetes.io/,
+       node-role.kubernetes.io/, ...; for the taint, Cluster Autoscaler's startup-taint.cluster-autoscaler.kubernetes.io/
+       and its status and ignore siblings are allowed: they are made for taints of one's own) or another component's
+       taint or label. The agent refuses the same names
+       (agent/settings.py own_condition_type, own_taint_key, own_label_key). Renders nothing. */ -}}
+{{- define "gpu-ready.validateNames" -}}
+{{- $reserved := `^([a-z0-9.-]+\.)?(kubernetes\.io|k8s\.io)/` }}
+{{- /* Cluster Autoscaler's prefixes for one's own taints (startup-taint... for a node that joins tainted). */}}
+{{- $ownTaint := `^(startup|status|ignore)-taint\.cluster-autoscaler\.kubernetes\.io/` }}
+{{- $checks := list
+  (list "conditionType" .Values.conditionType (list "Ready" "MemoryPressure" "DiskPressure" "PIDPressure" "NetworkUnavailable"))
+  (list "taints.key" .Values.taints.key (list "nvidia.com/gpu" "CriticalAddonsOnly" "ToBeDeletedByClusterAutoscaler" "DeletionCandidateOfClusterAutoscaler"))
+  (list "config.preflightLabel" (toString .Values.config.preflightLabel) (list "nvidia.com/gpu.present"))
+  (list "preflight.needsLabel" .Values.preflight.needsLabel (list "nvidia.com/gpu.present")) }}
+{{- range $c := $checks }}
+{{- $what := index $c 0 }}{{ $name := index $c 1 }}
+{{- if has $name (index $c 2) }}
+{{- fail (printf "%s %s is not gpu-ready's: the admission policy would let gpu-ready's token change it" $what $name) }}
+{{- end }}
+{{- if and (regexMatch $reserved $name) (not (and (eq $what "taints.key") (regexMatch $ownTaint $name))) }}
+{{- fail (printf "%s %s is under a prefix reserved for Kubernetes (kubernetes.io, k8s.io): the admission policy would let gpu-ready's token change it" $what $name) }}
+{{- end }}
+{{- end }}
+{{- if eq (toString .Values.config.preflightLabel) .Values.preflight.needsLabel }}
+{{- fail (printf "config.preflightLabel and preflight.needsLabel are both %s: they must differ" .Values.preflight.needsLabel) }}
+{{- end }}
 {{- end -}}
