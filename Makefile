@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev testbin test e2e test-fast lint demo bench chart-lint clean gpu-smoke protos docs lock release-dry-run
+.PHONY: dev testbin test e2e test-fast lint demo bench chart-lint chart-readme clean gpu-smoke protos docs lock release-dry-run
 
 # The runtime set at the versions requirements/runtime.lock pins (what the image installs), as plain constraints.
 $(STAMP): pyproject.toml requirements/runtime.lock
@@ -38,8 +38,8 @@ test-fast: dev
 
 ## lint: ruff (check + format), mypy, import-linter (module boundaries)
 lint: dev
-	$(BIN)/ruff check agent tests bench testkit tools/release
-	$(BIN)/ruff format --check agent tests bench testkit tools/release
+	$(BIN)/ruff check agent tests bench testkit tools/release tools/chart_readme.py
+	$(BIN)/ruff format --check agent tests bench testkit tools/release tools/chart_readme.py
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
@@ -65,6 +65,11 @@ protos: dev
 ## docs: write docs/configuration.md's settings table from the settings rows (a test checks it is current)
 docs: dev
 	$(BIN)/python -c "from agent.config import write_settings_table as w; w('docs/configuration.md')"
+
+## chart-readme: write charts/gpu-ready/README.md from the chart's values.schema.json, values.yaml and examples/
+##   (a test checks it is current)
+chart-readme: dev
+	$(BIN)/python tools/chart_readme.py
 
 ## lock: re-resolve requirements/runtime.lock (the image's runtime set, pinned and hashed) after a dependency change
 lock:

@@ -16,7 +16,7 @@ from agent.allocation import AllocationMap
 from agent.checks import CheckSuite
 from agent.kernel_log.watcher import KernelLog, place_events, read_once
 from agent.kernel_log.xid import KernelLogParser, XidClassifier
-from agent.kube.client import ApiError, KubeApi
+from agent.kube.client import ApiError, KubeApi, connect
 from agent.logs import setup_logging
 from agent.model import LatchedFault, Observation, Status, Verdict, XidEvent
 from agent.report.blast_radius import gpus_json, render_gpus
@@ -24,61 +24,15 @@ from agent.report.condition import on_node, render_on_node
 from agent.settings import load_json, read_text_file
 from agent.verdict import decide
 
-EXIT = {Status.TRUE: 0, Status.FALSE: 1, Status.UNKNOWN: 2}
-CHECK_FLAGS = (
-    "nvidia_smi",
-    "nvidia_smi_timeout",
-    "sysfs_root",
-    "kmsg",
-    "nvml",
-    "nvml_timeout",
-    "nvml_nvlink",
-    *(  # the degradation signals (docs/degradation.md)
-        "pcie",
-        "pcie_bridges",
-        "pcie_speed",
-        "pcie_busy_utilization",
-        "device_nodes",
-        "dev_root",
-        "require_uvm",
-        "proc_root",
-        "clock_events",
-        "clock_window",
-        "clock_max_slowed_share",
-        "clock_min_samples",
-        "thermal_margin_min",
-        "xid_rate",
-        "xid_rate_count",
-        "xid_rate_window",
-        "xid_rate_ignore",
-        "dcgm_exporter",
-        "dcgm_required",
-        "dcgm_timeout",
-        "infiniband",
-        "expected_nics",
-        "ib_min_rate_gbps",
-    ),
-    "expected_gpus",
-    "xid_fatal",
-    "xid_ignore",
-    "unknown_xid_fatal",
-    "dra_counting",  # with --node: the node's ResourceSlices (docs/fencing.md)
-    "dra_driver",
-    "fencing_effect",
-    "fencing_max_rules",
-    "mig_strategy",
-    "replicas",
-    "pod_resources",  # the allocation map (docs/allocation.md)
-    "pod_resources_socket",
-    "pod_resources_timeout",
-    "mig_pending_timeout",
-    "condition_type",  # with --node/--node-json: what the Node shows (docs/taints.md)
-    "taint_key",
-    "kubeconfig",
-    "api_timeout",
-    "log_format",
-    "log_level",
-)
+# `gpu-ready check`'s exit status: the verdict; 2 is kept for a usage or configuration error (argparse's own code,
+# and a bad setting, file or --node-json: one line on stderr, no verdict), so a script can tell them apart.
+EXIT = {Status.TRUE: 0, Status.FALSE: 1, Status.UNKNOWN: 3}
+USAGE_ERROR = 2
+CHECK_EPILOG = """exit status: 0 GPUReady=True, 1 False, 3 Unknown (a check could not run), 2 a usage or
+configuration error (one line on stderr, no verdict)."""
+FLAGS_EPILOG = """A true/false setting is --x or --no-x (--x=false works too). In the chart's pod,
+GPU_READY_CONFIG names the agent's settings file: a check run there reads the settings the agent reads. Every
+setting: docs/configuration.md."""
 
 
 def classifier_from(cfg: config_mod.Config) -> XidClassifier:
@@ -208,6 +162,9 @@ def read_node_json(path: str) -> dict[str, Any]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    """Exit EXIT[verdict]; USAGE_ERROR (2) with one line for a bad setting, kubeconfig or --node-json."""
+    if args.node:
+        args.node_name = args.node  # the node_name setting (`run --node`): dcgm-exporter's host, the slices
     cfg = config_mod.load(args)
     setup_logging(cfg.log_format, cfg.log_level)
     node: dict[str, Any] | None = None
@@ -218,15 +175,13 @@ def cmd_check(args: argparse.Namespace) -> int:
             node = read_node_json(args.node_json)
         except ValueError as e:
             print(f"gpu-ready: cannot read --node-json {args.node_json}: {e}", file=sys.stderr)
-            return 2
+            return USAGE_ERROR
     elif args.node:
+        api = connect(cfg.kubeconfig, cfg.api_timeout)  # no credentials: ConfigError, as for `run`
         try:
-            api = KubeApi.from_environment(cfg.kubeconfig, cfg.api_timeout)
             node = api.get_node(args.node)  # the ResourceSlices are read too (dra_counting), in suite.run
         except ApiError as e:
             node_error = str(e)
-        except Exception as e:  # kubeconfig missing or unreadable
-            node_error = f"{type(e).__name__}: {e}"
     log = read_kernel_log(cfg)
     suite = CheckSuite(
         cfg,
@@ -271,10 +226,15 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 class OneLineParser(argparse.ArgumentParser):
     """A usage error (unknown flag, missing subcommand or value, bad choice, exclusive flags) is one line on
-    stderr, `gpu-ready <cmd>: error: <message>`, and exit 2; `--help` still prints the whole help."""
+    stderr, `gpu-ready <cmd>: error: <message>`, and exit 2; `--help` still prints the whole help (a true/false
+    flag shown as `--x, --no-x`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", config_mod.HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
 def command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
@@ -292,21 +252,40 @@ def build_parser(with_preflight: bool = True) -> argparse.ArgumentParser:
     p = OneLineParser(prog="gpu-ready", description=__doc__)
     p.add_argument("--version", action="version", version=f"gpu-ready {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    c = sub.add_parser("check", help="run every check once and print the verdict (exit 0 True, 1 False, 2 Unknown)")
-    config_mod.add_flags(c, CHECK_FLAGS)
+    c = sub.add_parser(
+        "check",
+        help="run every check once and print the verdict (exit 0 True, 1 False, 3 Unknown; 2 usage or configuration "
+        "error)",
+        usage="%(prog)s [--node NODE | --node-json NODE_JSON] [--json] [--config CONFIG] [settings]",
+        description="Run every check once and print the per-GPU table and the verdict (--json: one object).",
+        epilog=f"{CHECK_EPILOG}\n\n{FLAGS_EPILOG}",
+    )
     src = c.add_mutually_exclusive_group()
     src.add_argument("--node", help="read this Node through the API (in-cluster config or kubeconfig)")
     src.add_argument("--node-json", help="a saved `kubectl get node -o json`")
     c.add_argument("--json", action="store_true", help="print one JSON object")
+    config_mod.add_flags(c, "check")
     c.set_defaults(func=cmd_check)
     g = sub.add_parser(
-        "gpus", help="which pods hold which GPU (kubelet pod-resources): a table of every GPU and a summary line"
+        "gpus",
+        help="which pods hold which GPU (kubelet pod-resources): a table of every GPU and a summary line",
+        usage="%(prog)s [--json] [--config CONFIG] [settings]",
+        description="Which pods hold which GPU (kubelet's pod-resources) and each GPU's health; exit 0, or 2 "
+        "with one line when pod-resources cannot be read.",
+        epilog=FLAGS_EPILOG,
     )
-    config_mod.add_flags(g, CHECK_FLAGS)
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    config_mod.add_flags(g, "gpus")
     g.set_defaults(func=cmd_gpus)
-    r = sub.add_parser("run", help="the DaemonSet agent: check every poll, patch GPUReady, emit Events, serve /metrics")
-    config_mod.add_flags(r)
+    r = sub.add_parser(
+        "run",
+        help="the DaemonSet agent: check every poll, patch GPUReady, emit Events, serve /metrics",
+        usage="%(prog)s [--node NODE] [--config CONFIG] [settings]",
+        description="The DaemonSet agent: check every poll, patch the GPUReady condition, emit Events, serve "
+        "/metrics, /healthz and /readyz.",
+        epilog=FLAGS_EPILOG,
+    )
+    config_mod.add_flags(r, "run")
     r.set_defaults(func=_run)
     pf = sub.add_parser("preflight", help="run the onboarding gates and label the Node")
     pf.set_defaults(func=lambda a: __import__("agent.preflight", fromlist=["main"]).main(a))
@@ -343,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except config_mod.ConfigError as e:
         print(f"gpu-ready: configuration error: {e}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     except KeyboardInterrupt:
         return 130
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -38,6 +38,8 @@ from agent.probes import (
 )
 from agent.settings import (
     DAY,
+    RUN_ONLY,
+    WITH_NODE,
     ConfigError,
     Setting,
     _show,
@@ -63,25 +65,61 @@ CONFIG_FILE_LIMIT = 64 << 10  # bytes; a settings file is a few hundred (every s
 
 # The agent's own settings; each probe and action declares its rows beside it, gathered below.
 CORE_SETTINGS: tuple[Setting, ...] = (
-    Setting("node_name", optional(dns_subdomain), None, "Node to report on (default: $NODE_NAME)", env="NODE_NAME"),
-    Setting("poll_interval", positive(to_float, DAY), 30.0, "seconds between check cycles"),
-    Setting("heartbeat_interval", positive(to_float, DAY), 300.0, "seconds between condition heartbeats"),
+    Setting(
+        "node_name",
+        optional(dns_subdomain),
+        None,
+        "Node to report on",
+        env="NODE_NAME",
+        commands=RUN_ONLY,  # `check --node` reads that Node and sets it
+        flag_name="node",
+        old_flags=("--node-name",),
+    ),
+    Setting("poll_interval", positive(to_float, DAY), 30.0, "seconds between check cycles", commands=RUN_ONLY),
+    Setting(
+        "heartbeat_interval", positive(to_float, DAY), 300.0, "seconds between condition heartbeats", commands=RUN_ONLY
+    ),
     # The own Node from a watch and the fleet's writes spread out (docs/performance.md, "API cost at fleet scale").
-    Setting("node_watch", to_bool, True, "read the own Node from a watch (off: GET resourceVersion=0 each poll)"),
-    Setting("node_watch_timeout", positive(to_float, DAY), 600.0, "each Node watch lasts 1 to 2 times this, seconds"),
+    Setting(
+        "node_watch",
+        to_bool,
+        True,
+        "read the own Node from a watch (off: GET resourceVersion=0 each poll)",
+        commands=RUN_ONLY,
+    ),
+    Setting(
+        "node_watch_timeout",
+        positive(to_float, DAY),
+        600.0,
+        "each Node watch lasts 1 to 2 times this, seconds",
+        commands=RUN_ONLY,
+    ),
     Setting(
         "start_spread",
         non_negative(to_float, 3600),
         60.0,
         "hold the first condition write after start a random 0..this many seconds (unless the status changes)",
+        commands=RUN_ONLY,
     ),
-    Setting("heartbeat_jitter", in_range(to_float, 0, 1), 0.2, "each heartbeat waits interval x (1 +- jitter/2)"),
-    Setting("recovery_polls", in_range(to_int, 1, 1000), 2, "clean polls before a level fault clears"),
-    Setting("expected_gpus", optional(non_negative(to_int, 4096)), None, "GPUs this node must have (unset: no floor)"),
-    Setting("state_dir", to_str, "/var/lib/gpu-ready", "directory for latched faults (a hostPath)"),
-    Setting("boot_id_file", to_str, "/proc/sys/kernel/random/boot_id", "file holding the boot ID"),
     Setting(
-        "event_interval", non_negative(to_float, DAY), 300.0, "at most one Event per reason and GPU per this many s"
+        "heartbeat_jitter",
+        in_range(to_float, 0, 1),
+        0.2,
+        "each heartbeat waits interval x (1 +- jitter/2)",
+        commands=RUN_ONLY,
+    ),
+    Setting(
+        "recovery_polls", in_range(to_int, 1, 1000), 2, "clean polls before a level fault clears", commands=RUN_ONLY
+    ),
+    Setting("expected_gpus", optional(non_negative(to_int, 4096)), None, "GPUs this node must have (unset: no floor)"),
+    Setting("state_dir", to_str, "/var/lib/gpu-ready", "directory for latched faults (a hostPath)", commands=RUN_ONLY),
+    Setting("boot_id_file", to_str, "/proc/sys/kernel/random/boot_id", "file holding the boot ID", commands=RUN_ONLY),
+    Setting(
+        "event_interval",
+        non_negative(to_float, DAY),
+        300.0,
+        "at most one Event per reason and GPU per this many s",
+        commands=RUN_ONLY,
     ),
     Setting(
         "event_namespace",
@@ -89,18 +127,38 @@ CORE_SETTINGS: tuple[Setting, ...] = (
         "default",
         "namespace of the agent's Events about its Node (the apiserver accepts Events about a cluster-scoped "
         "object only in default or kube-system)",
+        commands=RUN_ONLY,
     ),
-    Setting("metrics_address", host_port, DEFAULT_METRICS_ADDRESS, "host:port for /metrics, /healthz, /readyz"),
-    Setting("require_preflight", to_bool, False, "report True only on nodes labelled <preflight-label>=passed"),
-    Setting("preflight_label", own_label_key, "preflight", "label key set by gpu-ready preflight"),
+    Setting(
+        "metrics_address",
+        host_port,
+        DEFAULT_METRICS_ADDRESS,
+        "host:port for /metrics, /healthz, /readyz",
+        commands=RUN_ONLY,
+    ),
+    Setting(
+        "require_preflight",
+        to_bool,
+        False,
+        "report True only on nodes labelled <preflight-label>=passed",
+        commands=RUN_ONLY,
+    ),
+    Setting("preflight_label", own_label_key, "preflight", "label key set by gpu-ready preflight", commands=RUN_ONLY),
     Setting(
         "condition_type",
         own_condition_type,
         "GPUReady",
         "Node condition type the agent writes (e.g. nvidia.com/GPUReady); must equal the chart's conditionType",
+        commands=WITH_NODE,
     ),
-    Setting("kubeconfig", optional(readable_file), None, "kubeconfig file (default: in-cluster, then ~/.kube/config)"),
-    Setting("api_timeout", positive(to_float, 600), 10.0, "timeout for one API request, seconds"),
+    Setting(
+        "kubeconfig",
+        optional(readable_file),
+        None,
+        "kubeconfig file (default: in-cluster, then ~/.kube/config)",
+        commands=WITH_NODE,
+    ),
+    Setting("api_timeout", positive(to_float, 600), 10.0, "timeout for one API request, seconds", commands=WITH_NODE),
     Setting("log_format", choice("auto", "json", "console"), "auto", "auto: JSON unless stderr is a terminal"),
     Setting("log_level", choice("debug", "info", "warning", "error"), "info", "log level"),
 )
@@ -232,11 +290,12 @@ def settings_table() -> str:
     def shown(v: Any) -> str:
         return repr(list(v) if isinstance(v, tuple) else v)
 
-    out = ["| flag | environment | file key | default | meaning |", "|---|---|---|---|---|"]
+    out = ["| flag | environment | file key | default | flag of | meaning |", "|---|---|---|---|---|---|"]
     for s in SETTINGS:
         if s.public:
             env = f"`{s.env_name}`" + (f" or `{s.env}`" if s.env else "")
-            out.append(f"| `{s.flag}` | {env} | `{s.file_key}` | `{shown(s.default)}` | {s.help} |")
+            on = ", ".join(s.commands)
+            out.append(f"| `{s.flag}` | {env} | `{s.file_key}` | `{shown(s.default)}` | {on} | {s.help} |")
     return "\n".join(out)
 
 
@@ -253,13 +312,61 @@ def write_settings_table(path: str) -> bool:
     return new != text
 
 
-def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
-    parser.add_argument("--config", help="YAML or JSON settings file (keys in camelCase, e.g. pollInterval)")
-    for s in SETTINGS:
-        if s.public and (names is None or s.name in names):
-            env = f"; env {s.env_name}" + (f" or {s.env}" if s.env else "")
-            text = f"{s.help} (default: {s.default!r}{env})".replace("%", "%%")  # argparse %-formats help
-            parser.add_argument(s.flag, dest=s.name, default=None, help=text)
+class BoolFlag(argparse.Action):
+    """A true/false setting's flag: `--x` is true, `--no-x` false, and the older `--x=<bool>` / `--x <bool>`
+    still work (that value goes through the setting's converter in load(), as every flag's does)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        negative = ["--no-" + o[2:] for o in option_strings]
+        super().__init__([*option_strings, *negative], dest, nargs="?", metavar="BOOL", **kwargs)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: Any = None
+    ) -> None:
+        if isinstance(option_string, str) and option_string.startswith("--no-"):
+            if values is not None:
+                raise argparse.ArgumentError(self, f"{option_string} takes no value")
+            values = False
+        setattr(namespace, self.dest, True if values is None else values)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows a true/false flag as `--x, --no-x`, and a description or epilog keeps its paragraphs (blank
+    lines; each is wrapped as usual)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        fill = super()._fill_text
+        return "\n\n".join(fill(p, width, indent) for p in text.split("\n\n"))
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, BoolFlag):
+            return ", ".join(action.option_strings)
+        return super()._format_action_invocation(action)
+
+
+def flags_of(command: str) -> tuple[Setting, ...]:
+    """The settings `command` takes as flags (every setting is read from the environment and the file)."""
+    return tuple(s for s in SETTINGS if s.public and command in s.commands)
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """`--config` and, in a group of their own, a flag for each setting of `command` (Setting.commands); a
+    true/false one is `--x/--no-x`."""
+    parser.add_argument(
+        "--config",
+        help="YAML or JSON settings file: any setting, keys in camelCase, e.g. pollInterval (default: "
+        "$GPU_READY_CONFIG)",
+    )
+    group = parser.add_argument_group(
+        "settings", "each also from the environment or the settings file: flag > environment > file > default"
+    )
+    for s in flags_of(command):
+        env = f"; env {s.env_name}" + (f" or {s.env}" if s.env else "")
+        text = f"{s.help} (default: {s.default!r}{env})".replace("%", "%%")  # argparse %-formats help
+        kind: dict[str, Any] = {"action": BoolFlag} if s.boolean else {"metavar": s.flag[2:].replace("-", "_").upper()}
+        group.add_argument(s.flag, dest=s.name, default=None, help=text, **kind)
+        if s.old_flags:
+            group.add_argument(*s.old_flags, dest=s.name, default=None, help=argparse.SUPPRESS, **kind)
 
 
 def _read_file(path: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.model import Check, Finding, GpuIdentity, Reason
-from agent.settings import DAY, Setting, positive, to_float
+from agent.settings import DAY, WITH_NODE, Setting, positive, to_float
 
 MIG_CONFIG_LABEL = "nvidia.com/mig.config"
 MIG_STATE_LABEL = "nvidia.com/mig.config.state"
@@ -158,5 +158,6 @@ SETTINGS = (
         600.0,
         "seconds nvidia.com/mig.config.state may stay pending before it is a MigConfigFailed fault "
         "(docs/allocation.md)",
+        commands=WITH_NODE,
     ),
 )

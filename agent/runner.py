@@ -39,7 +39,7 @@ class Agent:
         self, cfg: Config, api: KubeApi | None = None, metrics: Metrics | None = None, clock: Clock = SYSTEM
     ) -> None:
         if not cfg.node_name:
-            raise ConfigError("node-name is required (--node-name or NODE_NAME)")
+            raise ConfigError("node-name is required (--node or NODE_NAME)")
         self.cfg, self.node, self.clock = cfg, cfg.node_name, clock
         self.log = get_logger(node=self.node)
         self.metrics = m = metrics or Metrics()

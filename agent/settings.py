@@ -413,6 +413,15 @@ def convert(conv: Callable[[Any], T], value: Any, what: str) -> T:
         raise ConfigError(f"invalid {what}: {e}") from None
 
 
+# The subcommands a setting is a flag of. The environment and the settings file set every setting for every
+# command (the chart's file is read by `run` and by a `check` in the same pod); the flags of a command are only
+# the settings that change what it does.
+CHECK, GPUS, RUN = "check", "gpus", "run"
+EVERY_COMMAND = (CHECK, GPUS, RUN)  # what changes a one-shot verdict: the probes, their thresholds, the Xid catalog
+WITH_NODE = (CHECK, RUN)  # only where the Node is read: `check --node` and `run` (`gpus` never reads it)
+RUN_ONLY = (RUN,)  # the loop and what only the agent writes: poll, heartbeat, watch, spread, state, Events, ...
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str  # python attribute; flag --name-with-dashes; env GPU_READY_NAME; file key camelCase
@@ -423,10 +432,18 @@ class Setting:
     # False: a test seam, not a setting: only its environment variable sets it (no flag, no file key, not in the
     # chart's schema or the configuration doc)
     public: bool = True
+    commands: tuple[str, ...] = EVERY_COMMAND  # the subcommands that take it as a flag
+    flag_name: str | None = None  # the flag when it is not the name (`--node` for node_name)
+    old_flags: tuple[str, ...] = ()  # earlier spellings of the flag: still accepted, not shown in --help
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return "--" + (self.flag_name or self.name).replace("_", "-")
+
+    @property
+    def boolean(self) -> bool:
+        """A true/false setting: its flag is `--x` / `--no-x` (and `--x=<bool>`)."""
+        return self.conv is to_bool
 
     @property
     def env_name(self) -> str:
@@ -448,10 +465,12 @@ FOREIGN_TAINTS = frozenset(
 )
 # Labels of others that preflight's label must not be: GPU feature discovery's, which the DaemonSet selects on.
 FOREIGN_LABELS = frozenset({"nvidia.com/gpu.present"})
-# Prefixes under kubernetes.io that are made for taint keys of one's own: Cluster Autoscaler's startup, status and
-# ignore taints (docs/taints.md: a node joins with startup-taint.cluster-autoscaler.kubernetes.io/<name>).
-OWN_TAINT_PREFIXES = tuple(
-    f"{kind}-taint.cluster-autoscaler.kubernetes.io/" for kind in ("startup", "status", "ignore")
+# Prefixes under kubernetes.io and k8s.io that are made for taint keys of one's own: Cluster Autoscaler's startup,
+# status and ignore taints (docs/taints.md: a node joins with startup-taint.cluster-autoscaler.kubernetes.io/<name>)
+# and the Node Readiness Controller's readiness.k8s.io/<name> (the taint a NodeReadinessRule manages).
+OWN_TAINT_PREFIXES = (
+    *(f"{kind}-taint.cluster-autoscaler.kubernetes.io/" for kind in ("startup", "status", "ignore")),
+    "readiness.k8s.io/",
 )
 
 

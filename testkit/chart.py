@@ -46,6 +46,30 @@ def render(values: list[str], namespace: str = "gpu-ready", release: str = "gpu-
     return [d for d in yaml.safe_load_all(out) if d]
 
 
+def kubectl(kc: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [KUBECTL, "--kubeconfig", str(kc), *args], capture_output=True, text=True, input=stdin, timeout=120
+    )
+
+
+def load_monitoring_crds(cp: ControlPlane, kc: Path) -> None:
+    """The Prometheus Operator's ServiceMonitor and PrometheusRule CRDs (from the testbin) applied to `cp` and
+    Established (server-side apply: applying them again changes nothing)."""
+    crds = cp.bin_dir / "crds"
+    for name in ("servicemonitors", "prometheusrules"):
+        r = kubectl(kc, "apply", "--server-side", "-f", str(crds / f"monitoring.coreos.com_{name}.yaml"))
+        assert r.returncode == 0, r.stderr
+        r = kubectl(kc, "wait", "--for=condition=Established", "--timeout=60s", f"crd/{name}.monitoring.coreos.com")
+        assert r.returncode == 0, r.stderr
+
+
+def server_dry_run(kc: Path, docs: list[dict[str, Any]]) -> None:
+    """`kubectl apply --dry-run=server` of the rendered objects: the apiserver validates and admits each one."""
+    r = kubectl(kc, "apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump_all(docs))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("(server dry run)") == len(docs), r.stdout
+
+
 def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 

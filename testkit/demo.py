@@ -158,7 +158,7 @@ def main() -> int:
                 "-m",
                 "agent.cli",
                 "run",
-                "--node-name",
+                "--node",
                 NODE,
                 "--kubeconfig",
                 str(agent_kc),

@@ -106,7 +106,7 @@ class AgentProc:
             "-m",
             "agent",
             "run",
-            "--node-name",
+            "--node",
             node,
             "--kubeconfig",
             str(self.kubeconfig),

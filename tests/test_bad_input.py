@@ -334,7 +334,7 @@ def test_kmsg_source_that_is_neither_kmsg_nor_a_file_is_refused(tmp_path: Path, 
 def test_check_with_kmsg_dev_zero_finishes_and_reads_could_not_check(simhost: Any) -> None:
     r = run_process(["check", *simhost.check_args(), "--kmsg", "/dev/zero", "--json"])
     verdict = json.loads(r.stdout)
-    assert r.returncode == 2 and verdict["status"] == "Unknown" and "/dev/zero" in verdict["message"], r.stdout
+    assert r.returncode == 3 and verdict["status"] == "Unknown" and "/dev/zero" in verdict["message"], r.stdout
 
 
 def test_agent_with_kmsg_dev_zero_reports_the_kernel_log_unchecked(simhost: Any) -> None:

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from agent.kube.client import ApiError
-from testkit.chart import CHART, KUBE_VERSION, KUBECTL, helm, render
+from testkit.chart import CHART, KUBE_VERSION, KUBECTL, helm, load_monitoring_crds, render
 from testkit.cluster import ensure_namespace, now_rfc3339
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
@@ -110,7 +110,13 @@ def test_default_manifest_shape():
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG"]}
     assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == "10%"
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    # every NoSchedule and NoExecute taint (a node agent must run where another controller tainted the node), after
+    # gpu-ready's own key with every effect
+    assert spec["tolerations"] == [
+        {"key": "gpu-ready.io/gpu-not-ready", "operator": "Exists"},
+        {"operator": "Exists", "effect": "NoSchedule"},
+        {"operator": "Exists", "effect": "NoExecute"},
+    ]
     term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
     assert term["matchExpressions"][0] == {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}
     env = {e["name"]: e for e in c["env"]}
@@ -161,6 +167,44 @@ def test_configmap_is_a_valid_agent_config(tmp_path):
     assert (cfg.expected_gpus, list(cfg.xid_ignore), cfg.poll_interval) == (8, [109, 63], 30.0)
 
 
+def agent_pod(values: list[str], tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """The DaemonSet container's args and its environment (the literal values, NODE_NAME as the downward API gives
+    it), with the ConfigMap written where GPU_READY_CONFIG names it (under tmp_path)."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render(values)}
+    c = docs[("DaemonSet", "gpu-ready")]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "config")
+    path = env["GPU_READY_CONFIG"]
+    assert path.startswith(mount + "/")
+    f = tmp_path / path.lstrip("/")
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(docs[("ConfigMap", "gpu-ready")]["data"][path.rpartition("/")[2]])
+    return c["args"], {**env, "GPU_READY_CONFIG": str(f), "NODE_NAME": "gpu-node-1"}
+
+
+def test_check_in_the_agent_pod_reads_the_agents_settings(tmp_path):
+    """`kubectl exec <agent pod> -- gpu-ready check` (no flags) judges with the settings `run` uses: the file and
+    the host's sysfs come from the environment, not from flags only `run` gets."""
+    from agent import config
+    from agent.cli import build_parser
+
+    values = ["--set", "config.expectedGpus=8", "--set", "config.xidIgnore={109}", "--set", "config.pcie=false"]
+    args, env = agent_pod(values, tmp_path)
+    assert args[0] == "run" and not any(a.startswith(("--config", "--sysfs-root")) for a in args), args
+    parser = build_parser(with_preflight=False)
+    run = config.load(parser.parse_args(args), environ=env)
+    check = config.load(parser.parse_args(["check"]), environ=env)
+    assert (check.expected_gpus, check.xid_ignore, check.pcie, check.sysfs_root) == (8, (109,), False, "/host/sys")
+    for s in config.flags_of("check"):
+        if s.name not in ("log_format", "log_level"):  # how it logs, not what it decides
+            assert getattr(check, s.name) == getattr(run, s.name), s.name
+    assert run.node_name == check.node_name == "gpu-node-1"
+    # a sysfsRoot of the user's own is the file's, for both
+    args, env = agent_pod(["--set", "config.sysfsRoot=/run/host-sys"], tmp_path)
+    assert "GPU_READY_SYSFS_ROOT" not in env
+    assert config.load(parser.parse_args(["check"]), environ=env).sysfs_root == "/run/host-sys"
+
+
 def test_configmap_passes_the_fencing_values_to_the_agent(tmp_path):
     """The `fencing` values reach the agent's settings (docs/fencing.md); defaults: counting on, fencing off."""
     from agent import config
@@ -204,6 +248,95 @@ def test_chart_rules_and_dashboard_are_the_shipped_files():
     assert json.loads(dash["data"]["gpu-ready.json"])["uid"] == "gpu-ready"
 
 
+def test_name_overrides_name_every_object_and_the_policies_follow():
+    docs = render(["--set", "fullnameOverride=gpu-health", "--set", "preflight.enabled=true"])
+    assert all(d["metadata"]["name"].startswith("gpu-health") for d in docs), [d["metadata"]["name"] for d in docs]
+    vap = next(d for d in docs if d["metadata"]["name"] == "gpu-health-own-node-only" and d["kind"].endswith("Policy"))
+    assert "system:serviceaccount:gpu-ready:gpu-health" in vap["spec"]["matchConditions"][0]["expression"]
+    ds = next(d for d in render(["--set", "nameOverride=gpu-health"]) if d["kind"] == "DaemonSet")
+    assert ds["metadata"]["name"] == "gpu-ready-gpu-health"
+    assert ds["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "gpu-health"
+    r = helm("lint", str(CHART), "--set", "fullnameOverride=Not_A_Name", check=False)
+    assert r.returncode != 0 and "fullnameOverride" in r.stdout + r.stderr
+
+
+def test_security_contexts_merge_over_the_charts_own():
+    def spec(*values: str) -> dict:
+        return next(d for d in render(list(values)) if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+
+    s = spec(
+        *("--set", "securityContext.seLinuxOptions.type=spc_t", "--set", "podSecurityContext.seLinuxOptions.level=s0"),
+        *("--set-json", 'securityContext.capabilities={"add":["SYSLOG","SYS_ADMIN"]}'),
+    )
+    sc = s["containers"][0]["securityContext"]
+    assert sc["seLinuxOptions"] == {"type": "spc_t"} and sc["privileged"] is True and sc["readOnlyRootFilesystem"]
+    assert sc["capabilities"] == {"add": ["SYSLOG", "SYS_ADMIN"], "drop": ["ALL"]}  # a list is replaced whole
+    assert s["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "seLinuxOptions": {"level": "s0"}}
+    sc = spec("--set", "agent.privileged=false", "--set", "securityContext.readOnlyRootFilesystem=false")
+    sc = sc["containers"][0]["securityContext"]
+    assert (sc["privileged"], sc["allowPrivilegeEscalation"], sc["readOnlyRootFilesystem"]) == (False, False, False)
+    r = helm("lint", str(CHART), "--set", "securityContext.selinuxOptions.type=spc_t", check=False)
+    assert r.returncode != 0 and "selinuxOptions" in r.stdout + r.stderr  # a typo is an error, not ignored
+
+
+def test_prometheus_rule_leaves_out_disabled_alerts_and_adds_rules():
+    shipped = yaml.safe_load((CHART / "files" / "gpu-ready.rules.yaml").read_text())["groups"]
+    names = [r["alert"] for r in shipped[0]["rules"]]
+    extra = {"alert": "GPUNodeCordoned", "expr": "max by (node) (kube_node_spec_unschedulable) == 1", "for": "1h"}
+    docs = render(
+        [
+            *("--set", "prometheusRule.enabled=true", "--set", "prometheusRule.disabled={GPUDegraded,NvidiaSmiHung}"),
+            *("--set-json", f"prometheusRule.additionalRules=[{json.dumps(extra)}]"),
+        ]
+    )
+    groups = next(d for d in docs if d["kind"] == "PrometheusRule")["spec"]["groups"]
+    assert [r["alert"] for r in groups[0]["rules"]] == [n for n in names if n not in ("GPUDegraded", "NvidiaSmiHung")]
+    assert groups[0]["rules"][0] == shipped[0]["rules"][0]  # the rules kept are the shipped ones
+    assert groups[1] == {"name": "gpu-ready-additional", "rules": [extra]}
+    r = helm(
+        "template", "x", str(CHART), "--kube-version", KUBE_VERSION, "--set", "prometheusRule.enabled=true",
+        "--set", "prometheusRule.disabled={GPUDegradd}", check=False,
+    )  # fmt: skip
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("Error:")]
+    assert r.returncode != 0 and len(err) == 1 and "GPUDegradd" in err[0] and "GPUDegraded" in err[0], r.stderr
+
+
+def test_dashboard_namespace_and_grafana_folder():
+    def dash(*values: str) -> dict:
+        docs = render(["--set", "dashboard.enabled=true", *values])
+        return next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"))
+
+    d = dash()
+    assert d["metadata"]["namespace"] == "gpu-ready" and "annotations" not in d["metadata"]
+    d = dash("--set", "dashboard.namespace=monitoring", "--set", "dashboard.folder=GPU Fleet")
+    assert d["metadata"]["namespace"] == "monitoring"
+    assert d["metadata"]["annotations"] == {"grafana_folder": "GPU Fleet"}
+    assert d["metadata"]["labels"]["grafana_dashboard"] == "1"
+    d = dash("--set", "dashboard.folder=GPU", "--set", "dashboard.folderAnnotation=k8s-sidecar-target-directory")
+    assert d["metadata"]["annotations"] == {"k8s-sidecar-target-directory": "GPU"}
+
+
+def test_priority_class_quota_admits_the_agents_class():
+    docs = render(["--set", "priorityClassQuota.enabled=true", "--set", "priorityClassQuota.pods=64"])
+    q = next(d for d in docs if d["kind"] == "ResourceQuota")
+    assert q["spec"] == {
+        "hard": {"pods": "64"},
+        "scopeSelector": {
+            "matchExpressions": [{"scopeName": "PriorityClass", "operator": "In", "values": ["system-node-critical"]}]
+        },
+    }
+    docs = render(["--set", "priorityClassQuota.enabled=true", "--set", "priorityClassName="])
+    assert not [d for d in docs if d["kind"] == "ResourceQuota"]  # no class, nothing to admit
+
+
+def test_kube_version_is_what_the_admission_policies_need():
+    """The policies find the token's Node in the node-name claim, which Kubernetes guarantees from 1.32."""
+    assert yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"] == ">=1.32.0-0"
+    r = helm("template", "x", str(CHART), "--kube-version", "1.31.9", check=False)
+    assert r.returncode != 0 and "kubeVersion" in r.stderr
+    helm("template", "x", str(CHART), "--kube-version", "1.32.0")
+
+
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
 def test_offline_strict_schema_validation(name, tmp_path):
     docs = [d for d in render(VALUE_SETS[name]) if not d["apiVersion"].startswith("monitoring.coreos.com")]
@@ -226,19 +359,7 @@ def kubectl(cp: ControlPlane, kc: Path, *args: str, stdin: str | None = None) ->
 @pytest.fixture(scope="module")
 def crds_loaded(control_plane, tmp_path_factory):
     kc = control_plane.kubeconfig(tmp_path_factory.mktemp("kc") / "admin")
-    crds = control_plane.bin_dir / "crds"
-    for name in ("servicemonitors", "prometheusrules"):
-        r = kubectl(control_plane, kc, "apply", "--server-side", "-f", str(crds / f"monitoring.coreos.com_{name}.yaml"))
-        assert r.returncode == 0, r.stderr
-        r = kubectl(
-            control_plane,
-            kc,
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            f"crd/{name}.monitoring.coreos.com",
-        )
-        assert r.returncode == 0, r.stderr
+    load_monitoring_crds(control_plane, kc)
     return kc
 
 
@@ -397,7 +518,7 @@ def test_dockerfile_install_steps_in_a_fresh_venv(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().startswith("gpu-ready ")
     r = subprocess.run([str(tmp_path / "opt" / "bin" / "gpu-ready"), "run", "--help"], capture_output=True, text=True)
-    assert r.returncode == 0 and "--node-name" in r.stdout
+    assert r.returncode == 0 and "--node NODE" in r.stdout
     # the deprecated `pynvml` wrapper must not come in: it warns on every import
     r = subprocess.run([str(tmp_path / "opt" / "bin" / "python"), "-W", "error", "-c", "import pynvml"])
     assert r.returncode == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ def run_check(simhost, *extra, kubeconfig=None):
     if kubeconfig:
         args += ["--kubeconfig", str(kubeconfig)]
     r = subprocess.run(args, capture_output=True, text=True, timeout=60)
-    assert r.returncode in (0, 1, 2), r.stderr
+    assert r.returncode in (0, 1, 3), r.stderr
     out = json.loads(r.stdout)
     return r.returncode, out
 
@@ -134,7 +135,7 @@ def test_api_unreachable_is_unknown(simhost, tmp_path, control_plane):
         control_plane.kubeconfig(tmp_path / "x").read_text().replace(control_plane.host, "https://127.0.0.1:1")
     )
     rc, out = run_check(simhost, "--node", "n", kubeconfig=kc)
-    assert rc == 2 and out["status"] == "Unknown" and "cannot read the Node" in out["message"]
+    assert rc == 3 and out["status"] == "Unknown" and "cannot read the Node" in out["message"]
 
 
 def test_api_forbidden_is_unknown(simhost, tmp_path, control_plane, make_node, sa_client):
@@ -142,7 +143,7 @@ def test_api_forbidden_is_unknown(simhost, tmp_path, control_plane, make_node, s
     _, info = sa_client(rules=[{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}])
     kc = control_plane.kubeconfig(tmp_path / "kc", info["token"])
     rc, out = run_check(simhost, "--node", node, kubeconfig=kc)
-    assert rc == 2 and "HTTP 403" in out["message"]
+    assert rc == 3 and "HTTP 403" in out["message"]
 
 
 def test_table_output(simhost):
@@ -168,3 +169,62 @@ def test_duplicated_bus_id_cannot_hide_a_pci_gpu(simhost):
     assert "GPU 00000000:9B:00.0: on PCI but not in nvidia-smi" in out["message"]
     bad = {g["pci_bus_id"] for g in out["gpus"] if g["healthy"] is False}
     assert "00000000:9B:00.0" in bad
+
+
+# -- the exit status a script can trust: the verdict, or 2 for a usage or configuration error --------------------
+
+
+def check_process(simhost, *extra, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", "check", *simhost.check_args(), *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"), [("true", (0, "True")), ("false", (1, "False")), ("unknown", (3, "Unknown"))]
+)
+def test_exit_status_is_the_verdict(simhost, tmp_path, case, expected):
+    """0 True, 1 False, 3 Unknown (a check could not run: here the kernel log); never 2."""
+    extra = ["--kmsg", str(tmp_path / "no-kmsg")] if case == "unknown" else []
+    if case == "false":
+        simhost.set_smi(err={3: ("Temp",)})
+    r = check_process(simhost, "--json", *extra)
+    assert (r.returncode, json.loads(r.stdout)["status"]) == expected, r.stderr
+    table = check_process(simhost, *extra)
+    assert table.returncode == expected[0] and f"GPUReady={expected[1]} " in table.stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--bogus"], ["--kmsg"], ["--node", "a", "--node-json", "b"], ["--no-pcie=true"], ["--poll-interval", "5"]],
+)
+def test_usage_error_exits_2_with_one_line_and_no_verdict(simhost, argv):
+    r = check_process(simhost, "--json", *argv)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.startswith("gpu-ready check: error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("how", ["flag", "environment", "file", "node-json", "no credentials"])
+def test_configuration_error_exits_2_with_one_line_and_no_verdict(simhost, tmp_path, how):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_READY_", "KUBERNETES_", "KUBECONFIG"))}
+    extra: list[str] = []
+    if how == "flag":
+        extra = ["--pcie=maybe"]
+    elif how == "environment":
+        env["GPU_READY_NVIDIA_SMI_TIMEOUT"] = "nan"
+    elif how == "file":  # a run-only setting too: the file is one configuration for every command
+        (tmp_path / "c.yaml").write_text("pollInterval: -3\n")
+        env["GPU_READY_CONFIG"] = str(tmp_path / "c.yaml")
+    elif how == "node-json":
+        (tmp_path / "node.json").write_text("[]")
+        extra = ["--node-json", str(tmp_path / "node.json")]
+    else:  # --node with neither in-cluster credentials nor a kubeconfig: `run` stops the same way
+        env.update(KUBECONFIG=str(tmp_path / "no-kubeconfig"), HOME=str(tmp_path))
+        extra = ["--node", "gpu-node-1"]
+    r = check_process(simhost, "--json", *extra, env=env)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr

@@ -127,9 +127,65 @@ def test_converters_for_other_inputs_name_what_was_bad():
 def test_run_with_a_bad_setting_exits_2_with_one_line(argv, capsys):
     from agent.cli import main
 
-    assert main(["run", "--node-name", "n1", *argv]) == 2
+    assert main(["run", "--node", "n1", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and argv[0].lstrip("-") in err[0] and "Traceback" not in err[0], err
+
+
+def help_of(command: str) -> str:
+    from agent.cli import build_parser, command_parser
+
+    return " ".join(command_parser(build_parser(with_preflight=False), command).format_help().split())
+
+
+def test_each_command_shows_only_its_own_flags():
+    """`run` takes every setting as a flag; `check` what changes a one-shot verdict (and, with --node, what the
+    Node shows); `gpus` never reads the Node. The environment and the file set every setting for every command."""
+    check, gpus, run = (config.flags_of(c) for c in ("check", "gpus", "run"))
+    assert {s.name for s in run} == {s.name for s in config.SETTINGS if s.public}
+    assert {s.name for s in gpus} < {s.name for s in check} < {s.name for s in run}
+    run_only = {"poll_interval", "heartbeat_interval", "node_watch", "start_spread", "state_dir", "event_namespace"}
+    run_only |= {"metrics_address", "require_preflight", "taints", "fencing", "node_name", "pod_resources_interval"}
+    node_only = {"kubeconfig", "api_timeout", "condition_type", "taint_key", "fencing_effect", "mig_strategy"}
+    assert run_only.isdisjoint(s.name for s in check) and (run_only | node_only).isdisjoint(s.name for s in gpus)
+    assert node_only < {s.name for s in check}
+    for command, flags in (("check", check), ("gpus", gpus), ("run", run)):
+        text = help_of(command)
+        assert all(f"{s.flag}, --no-{s.flag[2:]} " in text for s in flags if s.boolean), command
+        assert ("--poll-interval" in text) == (command == "run") and ("--kubeconfig" in text) == (command != "gpus")
+    assert "--node-name" not in help_of("run") and "--node NODE " in help_of("run")
+    assert "0 GPUReady=True, 1 False, 3 Unknown" in help_of("check")
+
+
+def test_boolean_flags_are_x_and_no_x_and_still_take_a_value():
+    from agent.cli import build_parser
+
+    parser = build_parser(with_preflight=False)
+
+    def pcie(*argv: str) -> bool:
+        return config.load(parser.parse_args(["check", *argv]), environ={}).pcie
+
+    assert (pcie(), pcie("--no-pcie"), pcie("--pcie")) == (True, False, True)
+    assert (pcie("--pcie=false"), pcie("--pcie", "off", "--json"), pcie("--pcie=yes")) == (False, False, True)
+    assert pcie("--no-pcie", "--pcie") is True  # the last one wins
+    with pytest.raises(config.ConfigError, match=r"invalid pcie \(--pcie\): expected true or false"):
+        pcie("--pcie=maybe")
+
+
+def test_one_name_for_the_node(monkeypatch):
+    """`run --node` (what `check --node` is called too); `--node-name` still works, unlisted; and so do NODE_NAME
+    and GPU_READY_NODE_NAME."""
+    from agent.cli import build_parser
+
+    parser = build_parser(with_preflight=False)
+
+    def node(argv: list[str], environ: dict[str, str]) -> str | None:
+        return config.load(parser.parse_args(["run", *argv]), environ=environ).node_name
+
+    assert node(["--node", "a"], {"NODE_NAME": "b"}) == "a" and node(["--node-name", "a"], {}) == "a"
+    assert node([], {"NODE_NAME": "b"}) == "b" and node([], {"GPU_READY_NODE_NAME": "c", "NODE_NAME": "b"}) == "c"
+    with pytest.raises(config.ConfigError, match=r"invalid node-name \(--node\)"):
+        node(["--node", "Not_A_Name"], {})
 
 
 def test_log_level_from_the_environment_is_used(tmp_path, monkeypatch, capsys):

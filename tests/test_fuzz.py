@@ -289,12 +289,12 @@ def test_check_cli(host: SimHost, node: Any, smi: str, rc: int) -> None:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli_main(["check", *host.check_args(), "--json", "--node-json", str(node_path)])
     assert time.perf_counter() - t0 < 20
-    assert code in (0, 1, 2) and "Traceback" not in out.getvalue() + err.getvalue()
+    assert code in (0, 1, 2, 3) and "Traceback" not in out.getvalue() + err.getvalue()
     if not out.getvalue().strip():  # refused as bad input: one line, exit 2
         assert code == 2 and len(err.getvalue().strip().splitlines()) == 1
         return
     verdict = json.loads(out.getvalue())
-    assert {"True": 0, "False": 1, "Unknown": 2}[verdict["status"]] == code
+    assert {"True": 0, "False": 1, "Unknown": 3}[verdict["status"]] == code
     if verdict["status"] == "True":  # only when every check could run and saw GPUs
         assert plugin_counts(json.loads(node_path.read_text()), None).malformed is None
         assert parse_smi_table(smi).gpus and rc == 0
@@ -430,6 +430,7 @@ def test_endless_and_special_files_are_refused_without_waiting(kind: str, reader
 
 ARGV_WORDS = ["check", "gpus", "run", "preflight", "bogus", "--bogus", "--kmsg", "--node", "--node-json", "--json"]
 ARGV_WORDS += ["--step", "all", "record", "nope", "--profile", "p.yaml", "--poll-interval", "5", "--config", "x"]
+ARGV_WORDS += ["--pcie", "--no-pcie", "--pcie=false", "--no-pcie=true", "true", "maybe", "--node-name", "n"]
 
 
 @budget(200)

@@ -108,7 +108,7 @@ def test_unreachable_socket_is_one_line_and_exit_2(simhost, tmp_path):
 
 @pytest.mark.parametrize(
     "bad",
-    [["--pod-resources-timeout", "0"], ["--pod-resources-timeout", "abc"], ["--mig-pending-timeout", "-1"]],
+    [["--pod-resources-timeout", "0"], ["--pod-resources-timeout", "abc"], ["--xid-rate-window", "-1"]],
 )
 def test_bad_flags_exit_2_with_one_line(simhost, bad):
     r = run(simhost, "gpus", *bad)

@@ -61,6 +61,16 @@ def test_profile_errors_are_clear():
         Profile.from_mapping({"allowSkip": ["burn"]})
 
 
+def test_help_names_the_five_gates_and_the_exit_status():
+    r = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "preflight", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0 and r.stderr == ""
+    for gate in ("spec", "burnin", "nvlink", "cuda", "serving"):
+        assert re.search(rf"^  {gate} +\S", r.stdout, re.M), gate  # one entry per gate, saying what it checks
+    assert "five onboarding gates" in r.stdout and "exit status: 0 passed, 1 a gate failed" in r.stdout
+
+
 def test_spec_gate_on_the_simulated_host(simhost):
     gpus, cuda = read_spec_nvidia_smi(str(simhost.nvidia_smi))
     assert len(gpus) == 8 and cuda == "12.4" and gpus[3].bus_id == "00000000:5D:00.0"

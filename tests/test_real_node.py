@@ -5,9 +5,9 @@ values, each step through `helm install` / `helm upgrade` as a user runs them.
 Network rule: the agent pod runs with hostNetwork and reaches the apiserver on 127.0.0.1 (explicit
 KUBERNETES_SERVICE_HOST/PORT); kubelet probes it on 127.0.0.1; nothing talks to an address off loopback.
 
-The tests share one node and one release and build on each other in file order (install -> real Xid -> upgrade
-during the latched fault -> SIGSTOP -> pod deleted -> token policy), then measure the securityContext
-alternatives on a fresh release. Run them alone with `make e2e`."""
+The tests share one node and one release and build on each other in file order (install on a node another
+controller tainted NoSchedule -> real Xid -> upgrade during the latched fault -> SIGSTOP -> pod deleted -> token
+policy), then measure the securityContext alternatives on a fresh release. Run them alone with `make e2e`."""
 
 from __future__ import annotations
 
@@ -245,10 +245,21 @@ def test_default_install_rolls_out_and_reports_true(env: Env, tmp_path_factory: 
     env.state_dir = base / "state"
     env.metrics_port = free_port()
     _advertise_gpus(env, len(env.sim.gpus))
+    # A NoSchedule taint of another controller's (a maintenance window) is on the node: the chart's default
+    # tolerations (every NoSchedule and NoExecute taint) place the agent there anyway.
+    other = {"key": "example.com/maintenance", "value": "planned", "effect": "NoSchedule"}
+    env.api.patch_node(NODE, {"spec": {"taints": [*env.api.get_node(NODE)["spec"].get("taints", []), other]}})
     t0 = time.monotonic()
-    env.helm_run("install", RELEASE, str(CHART), "-n", NS, "--create-namespace", "-f", str(env.values()), "--wait")
-    TIMES["helm install --wait (DaemonSet rolled out) s"] = time.monotonic() - t0
-    pod = _wait_pod_ready(env)
+    try:
+        env.helm_run("install", RELEASE, str(CHART), "-n", NS, "--create-namespace", "-f", str(env.values()), "--wait")
+        TIMES["helm install --wait (DaemonSet rolled out) s"] = time.monotonic() - t0
+        pod = _wait_pod_ready(env)
+    finally:
+        left = [t for t in env.api.get_node(NODE)["spec"].get("taints", []) if t["key"] != other["key"]]
+        env.api.patch_node(NODE, {"spec": {"taints": left}})
+    assert (
+        pod["spec"]["nodeName"] == NODE and {"operator": "Exists", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
+    )
     c = wait_for(env.gpu_ready, 120, 0.1, "first GPUReady")
     TIMES["helm install -> first GPUReady s"] = time.monotonic() - t0
     assert c["status"] == "True", f"{c}\n{env.diag()}"

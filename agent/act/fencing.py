@@ -41,7 +41,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from agent.kube.client import ApiError, KubeApi
 from agent.model import Check, PciAddress, Reason, Status, Verdict
 from agent.probes.dra import DEFAULT_DRIVER, DraGpu, DraInventory, match_gpus
-from agent.settings import DAY, Setting, choice_exact, in_range, positive, to_bool, to_float, to_int
+from agent.settings import (
+    DAY,
+    RUN_ONLY,
+    WITH_NODE,
+    Setting,
+    choice_exact,
+    in_range,
+    positive,
+    to_bool,
+    to_float,
+    to_int,
+)
 
 TAINT_KEY = "gpu-ready.io/unhealthy"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
@@ -768,18 +779,32 @@ class FenceWorker:
 
 
 SETTINGS = (
-    Setting("fencing", to_bool, False, "one DeviceTaintRule per device of a faulty GPU (DRA nodes; docs/fencing.md)"),
+    Setting(
+        "fencing",
+        to_bool,
+        False,
+        "one DeviceTaintRule per device of a faulty GPU (DRA nodes; docs/fencing.md)",
+        commands=RUN_ONLY,
+    ),
     Setting(
         "fencing_effect",
         choice_exact("None", "NoSchedule", "NoExecute"),
         "None",
         "effect of the DeviceTaintRules: None (dry run), NoSchedule or NoExecute (evicts pods); spelled exactly",
+        commands=WITH_NODE,
     ),
-    Setting("fencing_max_rules", in_range(to_int, 1, 1024), 128, "DeviceTaintRules per node at most (1 to 1024)"),
+    Setting(
+        "fencing_max_rules",
+        in_range(to_int, 1, 1024),
+        128,
+        "DeviceTaintRules per node at most (1 to 1024)",
+        commands=WITH_NODE,
+    ),
     Setting(
         "fencing_resync",
         positive(to_float, DAY),
         300.0,
         "re-list the DeviceTaintRules this often, seconds (while the verdict asks for the same rules)",
+        commands=RUN_ONLY,
     ),
 )

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 from dataclasses import asdict
 
 from agent.kube.client import ApiError, KubeApi
@@ -44,7 +45,38 @@ def render(results: list[GateResult], ok: bool) -> str:
     return "\n".join(lines)
 
 
+# What each gate checks, for --help (docs/preflight.md has the whole table).
+GATE_HELP = {
+    "spec": "the node matches the profile: GPU model and count, memory per GPU, driver and CUDA versions, MIG "
+    "mode, NVLink links, PCIe generation and width, ECC",
+    "burnin": "sustained load on every GPU for burnInSeconds with correct results (built-in with cupy, or "
+    "burnInCommand), failing on an Xid, new ECC errors or retired pages, or hardware throttling",
+    "nvlink": "peer-to-peer copy bandwidth between every GPU pair is at least p2pMinGBps",
+    "cuda": "a small kernel compiles (NVRTC) and computes the right result on every GPU",
+    "serving": "serving.command exits 0 within maxLatencySeconds and its output matches expectOutput",
+}
+assert tuple(GATE_HELP) == GATES
+DESCRIPTION = (
+    "Run the five onboarding gates before a new or repaired GPU node takes work, and with --node record the "
+    "outcome on the Node: all pass, label <label-key>=passed and uncordon it if preflight cordoned it; a gate "
+    "fails, label <label-key>=failed, keep it cordoned and emit an Event naming the gate."
+)
+
+
+def gates_epilog(width: int = 79) -> str:
+    """The gates, one per entry with a hanging indent, and the exit status (the parser shows it as written)."""
+    lines = textwrap.wrap("gates, in this order (--gates runs some of them; each ends pass, fail or skipped):", width)
+    for gate, text in GATE_HELP.items():
+        lines += textwrap.wrap(
+            text, width, initial_indent=f"  {gate:<9}", subsequent_indent=" " * 11, break_on_hyphens=False
+        )
+    lines += ["", *textwrap.wrap("exit status: 0 passed, 1 a gate failed, 2 a usage, profile or API error.", width)]
+    return "\n".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description, p.epilog = textwrap.fill(DESCRIPTION, 79, break_on_hyphens=False), gates_epilog()
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # both are laid out already
     p.add_argument("--profile", required=True, help="profile YAML (docs/preflight.md)")
     p.add_argument("--node", help="record the outcome on this Node (label, annotations, cordon, Event)")
     p.add_argument(
@@ -68,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("GPU_READY_EVENT_NAMESPACE") or DEFAULT_EVENT_NAMESPACE,
         help="namespace of the PreflightFailed Event (default: $GPU_READY_EVENT_NAMESPACE or default)",
     )
-    p.add_argument("--gates", default=",".join(GATES), help="comma list of gates to run")
+    p.add_argument("--gates", default=",".join(GATES), help=f"comma list of gates to run (default: {','.join(GATES)})")
     p.add_argument("--kubeconfig")
     p.add_argument("--json", action="store_true", help="print one JSON report")
     p.add_argument("--sa-token-path", default=SA_TOKEN, help=argparse.SUPPRESS)  # tests point it elsewhere

@@ -12,7 +12,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.model import Check, Finding, GpuIdentity, ProbeResult, Reason
-from agent.settings import DAY, Setting, choice, in_range, non_negative, optional, to_float, to_int
+from agent.settings import (
+    DAY,
+    RUN_ONLY,
+    WITH_NODE,
+    Setting,
+    choice,
+    in_range,
+    non_negative,
+    optional,
+    to_float,
+    to_int,
+)
 
 GPU = "nvidia.com/gpu"
 GPU_SHARED = "nvidia.com/gpu.shared"
@@ -269,17 +280,20 @@ SETTINGS = (
         choice("auto", "none", "single", "mixed"),
         "auto",
         "device plugin MIG strategy (auto: from the nvidia.com/mig.strategy label)",
+        commands=WITH_NODE,
     ),
     Setting(
         "replicas",
         optional(in_range(to_int, 1, 1_000_000)),
         None,
         "time-slicing/MPS replicas (default: the nvidia.com/gpu.replicas label, else 1)",
+        commands=WITH_NODE,
     ),
     Setting(
         "plugin_grace",
         non_negative(to_float, DAY),
         300.0,
         "seconds after start before a missing device-plugin resource is a fault",
+        commands=RUN_ONLY,
     ),
 )

@@ -33,7 +33,7 @@ from agent.kube.slices import DEFAULT_DRIVER, MAX_SLICES, SliceRead, read_node_s
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason
 from agent.probes.base import ProbeContext, Shared
 from agent.probes.device_plugin import MigCounts, mig_counts, plugin_counts, probe_device_plugin
-from agent.settings import Setting, dns_subdomain, to_bool
+from agent.settings import WITH_NODE, Setting, dns_subdomain, to_bool
 
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 TYPE_GPU, TYPE_MIG, TYPE_VFIO = "gpu", "mig", "vfio"
@@ -444,6 +444,13 @@ SETTINGS = (
         True,
         "count GPUs from the node's DRA ResourceSlices where they exist (the device-plugin check defers to them; "
         "docs/fencing.md)",
+        commands=WITH_NODE,
     ),
-    Setting("dra_driver", dns_subdomain, "gpu.nvidia.com", "DRA driver whose devices are counted and fenced"),
+    Setting(
+        "dra_driver",
+        dns_subdomain,
+        "gpu.nvidia.com",
+        "DRA driver whose devices are counted and fenced",
+        commands=WITH_NODE,
+    ),
 )

@@ -37,7 +37,7 @@ from agent.allocation import (
 from agent.kube.grpc_unix import GrpcError, unary_call
 from agent.model import Check, Finding, PciAddress, ProbeResult
 from agent.probes.base import ProbeContext, Shared
-from agent.settings import DAY, Setting, absolute_path, positive, to_bool, to_float
+from agent.settings import DAY, RUN_ONLY, WITH_NODE, Setting, absolute_path, positive, to_bool, to_float
 
 DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 LIST = "/v1.PodResourcesLister/List"
@@ -289,6 +289,7 @@ SETTINGS = (
         to_bool,
         False,
         "read kubelet's pod-resources API each poll: which pods hold which GPU (docs/allocation.md)",
+        commands=WITH_NODE,  # `gpus` always reads it
     ),
     Setting(
         "pod_resources_socket",
@@ -301,6 +302,7 @@ SETTINGS = (
         positive(to_float, DAY),
         1.0,
         "read pod-resources at most this often, seconds (kubelet rate-limits the endpoint)",
+        commands=RUN_ONLY,
     ),
     Setting("pod_resources_timeout", positive(to_float, 600), 5.0, "timeout for one pod-resources call, seconds"),
 )

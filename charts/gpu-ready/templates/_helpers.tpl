@@ -1,12 +1,20 @@
+{{- /* The app.kubernetes.io/name label: the chart's name, or nameOverride. */ -}}
 {{- define "gpu-ready.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- /* The name of the release's objects (DaemonSet, ServiceAccount, ClusterRole, admission policies, ...):
+fullnameOverride, else <release>-<name> (only <release> when it already contains the name). */ -}}
 {{- define "gpu-ready.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
@@ -182,13 +190,15 @@ volumeMounts:
 {{- /* Names the admission policies exempt for gpu-ready's tokens must be gpu-ready's own: never kubelet's
        conditions, a Kubernetes-reserved prefix (kubernetes.io/, k8s.io/ and their subdomains: node.kubernetes.io/,
        node-role.kubernetes.io/, ...; for the taint, Cluster Autoscaler's startup-taint.cluster-autoscaler.kubernetes.io/
-       and its status and ignore siblings are allowed: they are made for taints of one's own) or another component's
+       and its status and ignore siblings, and the Node Readiness Controller's readiness.k8s.io/, are allowed: they
+       are made for taints of one's own) or another component's
        taint or label. The agent refuses the same names
        (agent/settings.py own_condition_type, own_taint_key, own_label_key). Renders nothing. */ -}}
 {{- define "gpu-ready.validateNames" -}}
 {{- $reserved := `^([a-z0-9.-]+\.)?(kubernetes\.io|k8s\.io)/` }}
-{{- /* Cluster Autoscaler's prefixes for one's own taints (startup-taint... for a node that joins tainted). */}}
-{{- $ownTaint := `^(startup|status|ignore)-taint\.cluster-autoscaler\.kubernetes\.io/` }}
+{{- /* Prefixes made for one's own taints: Cluster Autoscaler's (startup-taint... for a node that joins tainted)
+       and the Node Readiness Controller's (readiness.k8s.io/<name>, the taint its NodeReadinessRule manages). */}}
+{{- $ownTaint := `^((startup|status|ignore)-taint\.cluster-autoscaler\.kubernetes\.io|readiness\.k8s\.io)/` }}
 {{- $checks := list
   (list "conditionType" .Values.conditionType (list "Ready" "MemoryPressure" "DiskPressure" "PIDPressure" "NetworkUnavailable"))
   (list "taints.key" .Values.taints.key (list "nvidia.com/gpu" "CriticalAddonsOnly" "ToBeDeletedByClusterAutoscaler" "DeletionCandidateOfClusterAutoscaler"))
