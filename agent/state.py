@@ -26,8 +26,10 @@ from typing import Any
 
 from agent.logs import get_logger
 from agent.model import LatchedFault, PciAddress, XidEvent
+from agent.settings import read_text_file
 
 STATE_VERSION = 1
+STATE_FILE_LIMIT = 16 << 20  # bytes; a node's latched faults are a few KiB
 
 
 def read_boot_id(path: str) -> str:
@@ -85,11 +87,11 @@ class LatchState:
         cannot be written is known (`write_problem`) before the first verdict, not only at the first latch."""
         self._remove_stale_temp_files()
         try:
-            raw = self.path.read_text(encoding="utf-8")
+            raw = read_text_file(str(self.path), STATE_FILE_LIMIT)  # a FIFO or a device is refused, never waited on
         except (FileNotFoundError, NotADirectoryError):  # nothing there (a file where the dir should be)
             self.save()
             return "new"
-        except (OSError, UnicodeDecodeError) as e:
+        except (OSError, UnicodeDecodeError, ValueError) as e:
             self.load_problem = f"cannot read {self.path}: {getattr(e, 'strerror', None) or e}"
             return "corrupt"
         try:

@@ -331,6 +331,26 @@ def test_kmsg_source_that_is_neither_kmsg_nor_a_file_is_refused(tmp_path: Path, 
     assert src.fd is None and not src.is_device
 
 
+@pytest.mark.parametrize("path", ["/proc/cpuinfo", "/proc/self/status", "/sys/kernel/mm/transparent_hugepage/enabled"])
+def test_kmsg_source_in_procfs_or_sysfs_is_refused(path: str) -> None:
+    """A procfs or sysfs file is a regular file of size 0 that answers every read anew: never a kernel log."""
+    if not os.path.exists(path):
+        pytest.skip(f"{path} does not exist here")
+    src = KmsgSource(path)
+    with pytest.raises(KmsgUnavailable, match="procfs or sysfs file"):
+        src.open()
+    assert src.fd is None
+
+
+def test_a_fifo_at_the_state_file_is_corrupt_not_waited_on(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "state.json")
+    done: list[str] = []
+    t = threading.Thread(target=lambda: done.append(LatchState(str(tmp_path), "b").load()), daemon=True)
+    t.start()
+    t.join(30)
+    assert done == ["corrupt"]  # refused before a byte is read (a plain read would block here for good)
+
+
 def test_check_with_kmsg_dev_zero_finishes_and_reads_could_not_check(simhost: Any) -> None:
     r = run_process(["check", *simhost.check_args(), "--kmsg", "/dev/zero", "--json"])
     verdict = json.loads(r.stdout)

@@ -131,10 +131,23 @@ class KmsgUnavailable(OSError):
     """The kernel log could not be opened or read."""
 
 
+def _pseudo_devices() -> frozenset[int]:
+    """The device numbers of /proc and /sys: their files say size 0 and answer every read anew."""
+    out = set()
+    for root in ("/proc", "/sys"):
+        try:
+            out.add(os.stat(root).st_dev)
+        except OSError:
+            pass
+    return frozenset(out)
+
+
 def _refusal(path: str, st: os.stat_result) -> str | None:
     """Why `path` is not a kernel log to read; None for /dev/kmsg or a regular file."""
     mode = st.st_mode
     if stat.S_ISREG(mode):
+        if st.st_dev in _pseudo_devices():
+            return f"kernel log {path} is a procfs or sysfs file (no records, never ends): not read"
         return None
     if stat.S_ISCHR(mode):
         dev = (os.major(st.st_rdev), os.minor(st.st_rdev))
