@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any
 
-from bench import fleet, footprint, latency, npd_compare, storm, write_rate
+from bench import fleet, footprint, latency, npd_compare, parsing, storm, write_rate
 from bench.common import OUT, machine, table
 from testkit.controlplane import ControlPlane
 
@@ -29,6 +29,8 @@ def main() -> None:
         fp_agent, fp_sampler = footprint.start(cp)
         print("[bench] latency ...", flush=True)
         lat = latency.run(cp, a.latency_reps, poll=0.5)
+        print("[bench] parsing hostile input ...", flush=True)
+        parse = parsing.run()
         print("[bench] storm ...", flush=True)
         st = storm.run(cp)
         print("[bench] API write rate ...", flush=True)
@@ -42,7 +44,12 @@ def main() -> None:
         fp = footprint.finish(fp_agent, fp_sampler, a.footprint_seconds)
     print()
     print(f"Machine: {machine()}; total {time.monotonic() - t0:.0f} s")
-    print(summary({"latency": lat, "storm": st, "write_rate": wr, "npd_compare": npd, "footprint": fp, "fleet": fl}))
+    print(
+        summary(
+            {"latency": lat, "storm": st, "write_rate": wr, "npd_compare": npd, "footprint": fp, "fleet": fl}
+            | {"parsing": parse}
+        )
+    )
     print(ratios(npd))
     print("\nFleet:\n" + fleet.report(fl))
     print("\nDetails:", json.dumps({"write_rate": wr, "npd": npd}, indent=1))
@@ -90,6 +97,12 @@ def summary(r: dict[str, Any]) -> str:
             f"{s_ag['condition_writes']} condition, {s_ag['event_writes']} Event writes",
             f"Events <= {s_ag['event_write_bound']} (1 per GPU + transitions)",
             ok(s_ag["event_writes"] <= s_ag["event_write_bound"]),
+        ),
+        (
+            "parsing hostile input: worst Xid record; a 4 MB watch event in 100-byte pieces",
+            f"{r['parsing']['xid_hostile_worst_ms']} ms; {r['parsing']['split_lines_4mb_ms']} ms",
+            "< 1000 ms each (the old Xid parser took 7 s)",
+            ok(max(r["parsing"]["xid_hostile_worst_ms"], r["parsing"]["split_lines_4mb_ms"]) < 1000),
         ),
         (
             "API writes, steady state",
