@@ -20,7 +20,7 @@ from agent.kernel_log.rate import XidRateProbe, XidRateThresholds, XidRateTracke
 from agent.kernel_log.watcher import KernelLogProbe
 from agent.kube.client import KubeApi
 from agent.model import Check, Counts, Observation, ProbeResult
-from agent.probes.base import Probe, ProbeContext, ProbeSpec, Shared
+from agent.probes.base import Probe, ProbeContext, ProbeSpec, Shared, merged_gpus
 from agent.probes.clocks import ClockEventTracker, ClocksProbe, ClockThresholds
 from agent.probes.dcgm import DcgmProbe, DcgmThresholds
 from agent.probes.device_nodes import DeviceNodesProbe, DeviceNodeThresholds
@@ -131,18 +131,15 @@ def build_probes(cfg: Config, shared: Shared, given: Mapping[Check, Probe] | Non
 
 def combine(results: Iterable[ProbeResult], expected_gpus: int | None) -> Observation:
     """One Observation from a cycle's results, in registry order (the first source's GPU identity wins)."""
-    obs = Observation(expected_gpus=expected_gpus)
+    results = list(results)
+    obs = Observation(expected_gpus=expected_gpus, gpus=merged_gpus(results))
     for r in results:
         obs.findings += r.findings
         for k, v in r.counts.items():
             if k in COUNT_NAMES:
                 setattr(obs.counts, k, v)
-        if not r.ran:
-            continue
-        if r.inventory:
+        if r.ran and r.inventory:
             obs.seen[r.check] = r.addresses
-        for g in r.gpus:
-            obs.gpus.setdefault(g.address, g)
     return obs
 
 

@@ -11,7 +11,7 @@ gathers them, and flags, environment names, file keys, the chart schema and docs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -53,14 +53,19 @@ class ProbeContext:
         return self.node is not None or self.node_error is not None
 
     def gpus(self) -> dict[PciAddress, GpuIdentity]:
-        """Every GPU the sources that ran listed so far, the first source's identity winning (nvidia-smi's index
-        and name)."""
-        out: dict[PciAddress, GpuIdentity] = {}
-        for r in self.results.values():
-            if r.ran:
-                for g in r.gpus:
-                    out.setdefault(g.address, g)
-        return out
+        """Every GPU the sources that ran listed so far (merged_gpus)."""
+        return merged_gpus(self.results.values())
+
+
+def merged_gpus(results: Iterable[ProbeResult]) -> dict[PciAddress, GpuIdentity]:
+    """Every GPU the sources that ran listed, in their order, the first source's identity winning (nvidia-smi's
+    index and name)."""
+    out: dict[PciAddress, GpuIdentity] = {}
+    for r in results:
+        if r.ran:
+            for g in r.gpus:
+                out.setdefault(g.address, g)
+    return out
 
 
 class Probe(Protocol):
