@@ -63,6 +63,16 @@ def create_node(
     )
 
 
+def drop_not_ready_taint(api: KubeApi, name: str) -> None:
+    """The TaintNodesByCondition admission plugin adds node.kubernetes.io/not-ready:NoSchedule at creation; the
+    node lifecycle controller removes it once the kubelet posts Ready. That controller is not run here (with no
+    kubelet renewing a Lease it would taint every Node unreachable), so the test does its part."""
+    now = api.get_node(name)["spec"].get("taints") or []
+    keep = [t for t in now if t.get("key") != "node.kubernetes.io/not-ready"]
+    ops = [{"op": "test", "path": "/spec/taints", "value": now}, {"op": "add", "path": "/spec/taints", "value": keep}]
+    api.request("PATCH", f"/api/v1/nodes/{name}", ops, "application/json-patch+json")
+
+
 def condition(node: dict[str, Any], ctype: str) -> dict[str, Any] | None:
     for c in (node.get("status") or {}).get("conditions") or []:
         if c.get("type") == ctype:

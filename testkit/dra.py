@@ -18,7 +18,7 @@ from typing import Any
 
 from agent.kube.client import KubeApi
 from testkit.chart import Release
-from testkit.cluster import bound_token, now_rfc3339
+from testkit.cluster import bound_token, create_node, drop_not_ready_taint
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
 
@@ -167,27 +167,8 @@ def gpu_node(p: DraPlane, slice_: Callable[[str], dict[str, Any]] | None = None)
     """A Node as a kubelet registers it, Ready, with no device-plugin GPUs (a DRA node), and its ResourceSlice."""
     name = f"dra-{secrets.token_hex(4)}"
     api = p.admin
-    api.request(
-        "POST",
-        "/api/v1/nodes",
-        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}}},
-    )
-    res = {"cpu": "64", "memory": "512Gi", "pods": "110"}
-    t = now_rfc3339()
-    ready = {
-        "type": "Ready",
-        "status": "True",
-        "reason": "KubeletReady",
-        "lastHeartbeatTime": t,
-        "lastTransitionTime": t,
-    }
-    api.patch_node_status(name, {"status": {"capacity": res, "allocatable": res, "conditions": [ready]}})
-    # TaintNodesByCondition adds node.kubernetes.io/not-ready at creation; the node lifecycle controller (not run:
-    # with no kubelet it would taint every Node unreachable) would remove it once Ready, so the test does.
-    now = api.get_node(name)["spec"].get("taints") or []
-    keep = [t for t in now if t.get("key") != "node.kubernetes.io/not-ready"]
-    ops = [{"op": "test", "path": "/spec/taints", "value": now}, {"op": "add", "path": "/spec/taints", "value": keep}]
-    api.request("PATCH", f"/api/v1/nodes/{name}", ops, JSON_PATCH)
+    create_node(api, name, capacity={"cpu": "64", "memory": "512Gi"})
+    drop_not_ready_taint(api, name)
     body = (slice_ or nvidia_slice)(name)
     api.request("POST", "/apis/resource.k8s.io/v1/resourceslices", body)
     return name

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.act.taints import JSON_PATCH, NO_SCHEDULE, TAINT_KEY, taint_patch
+from agent.act.taints import NO_SCHEDULE, TAINT_KEY
 from agent.kube.client import KubeApi
-from testkit.cluster import now_rfc3339
+from testkit.cluster import create_node, drop_not_ready_taint
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
 
@@ -53,30 +53,8 @@ def register_node(plane: SchedulerPlane, taints: list[dict[str, Any]]) -> str:
     """A GPU Node as a kubelet started with --register-with-taints would create it: the taints are there
     from the first write, then the status with 8 nvidia.com/gpu and Ready=True."""
     name = f"gpu-{secrets.token_hex(4)}"
-    api = plane.admin
-    body = {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "nvidia.com/gpu.present": "true"}},
-        "spec": {"taints": taints} if taints else {},
-    }
-    api.request("POST", "/api/v1/nodes", body)
-    res = {"cpu": "16", "memory": "128Gi", "pods": "110", "nvidia.com/gpu": "8"}
-    t = now_rfc3339()
-    ready = {
-        "type": "Ready",
-        "status": "True",
-        "reason": "KubeletReady",
-        "lastHeartbeatTime": t,
-        "lastTransitionTime": t,
-    }
-    api.patch_node_status(name, {"status": {"capacity": res, "allocatable": res, "conditions": [ready]}})
-    # The TaintNodesByCondition admission plugin adds node.kubernetes.io/not-ready:NoSchedule at creation; the
-    # node lifecycle controller removes it once the kubelet posts Ready. That controller is not run here (with
-    # no kubelet renewing a Lease it would taint every Node unreachable), so the test does its part.
-    now = api.get_node(name)["spec"].get("taints") or []
-    keep = [t for t in now if t.get("key") != "node.kubernetes.io/not-ready"]
-    api.request("PATCH", f"/api/v1/nodes/{name}", taint_patch(now, keep), JSON_PATCH)
+    create_node(plane.admin, name, {"nvidia.com/gpu.present": "true"}, {"nvidia.com/gpu": "8"}, taints=taints)
+    drop_not_ready_taint(plane.admin, name)
     plane.nodes.append(name)
     return name
 
