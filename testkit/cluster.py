@@ -73,6 +73,12 @@ def drop_not_ready_taint(api: KubeApi, name: str) -> None:
     api.request("PATCH", f"/api/v1/nodes/{name}", ops, "application/json-patch+json")
 
 
+def create_runtime_class(api: KubeApi, name: str = "nvidia", handler: str = "nvidia") -> None:
+    """The RuntimeClass the GPU Operator creates (the chart runs the agent with `runtimeClassName: nvidia`)."""
+    body = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": name}, "handler": handler}
+    api.request("POST", "/apis/node.k8s.io/v1/runtimeclasses", body)
+
+
 def condition(node: dict[str, Any], ctype: str) -> dict[str, Any] | None:
     for c in (node.get("status") or {}).get("conditions") or []:
         if c.get("type") == ctype:

@@ -18,7 +18,7 @@ import yaml
 from agent import config
 from agent.kube.client import ApiError, KubeApi
 from testkit.chart import CHART, apply_release, helm, load_monitoring_crds, render, server_dry_run
-from testkit.cluster import bound_token, ensure_namespace
+from testkit.cluster import bound_token, create_runtime_class, ensure_namespace
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
 from testkit.testbin import require_testbin, tool
@@ -330,16 +330,7 @@ def test_helm_install_checks_the_runtime_class_and_the_crds(bare_cluster, umbrel
         assert "gpu-ready/templates/validate.yaml" in line and 'runtimeClassName "nvidia" names no RuntimeClass' in line
         assert helm("template", "gpu-ready", str(CHART)).returncode == 0
 
-        admin.request(
-            "POST",
-            "/apis/node.k8s.io/v1/runtimeclasses",
-            {
-                "apiVersion": "node.k8s.io/v1",
-                "kind": "RuntimeClass",
-                "metadata": {"name": "nvidia"},
-                "handler": "nvidia",
-            },
-        )
+        create_runtime_class(admin)
         # 2. ServiceMonitor / PrometheusRule without the Prometheus Operator's CRDs: one line each
         for value, kind in (("serviceMonitor", "ServiceMonitor"), ("prometheusRule", "PrometheusRule")):
             r = helm_on(

@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from agent.kube.client import ApiError, KubeApi
-from testkit.cluster import condition, create_node
+from testkit.cluster import condition, create_node, create_runtime_class
 from testkit.controlplane import REPO
 from testkit.harness import wait_for
 from testkit.node import NodeControlPlane, NodeImages, RealNode, build_containerd, build_images
@@ -154,16 +154,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             t1 = time.monotonic()
             booted.node.load_image(images.agent_tar, images.agent)
             TIMES["agent image import into containerd s"] = time.monotonic() - t1
-            booted.api.request(
-                "POST",
-                "/apis/node.k8s.io/v1/runtimeclasses",
-                {
-                    "apiVersion": "node.k8s.io/v1",
-                    "kind": "RuntimeClass",
-                    "metadata": {"name": "nvidia"},
-                    "handler": "nvidia",
-                },
-            )
+            create_runtime_class(booted.api)
             TIMES["node set-up (control plane + containerd + kubelet + images) s"] = (
                 booted.setup_s + time.monotonic() - t1
             )
