@@ -9,8 +9,10 @@ import json
 import time
 from collections.abc import Callable
 
+from agent.kernel_log.source import format_record, parse_record
 from agent.kernel_log.xid import KernelLogParser
 from agent.kube.client import split_lines
+from agent.probes.nvidia_smi import parse_smi_table
 from testkit.hostile import HOSTILE_XID, LONG_LINE_CHUNKS
 
 
@@ -27,7 +29,17 @@ def best_ms(fn: Callable[[], object], runs: int = 5) -> float:
 def run() -> dict[str, object]:
     xid = {name: best_ms(lambda text=text: KernelLogParser().feed(text)) for name, text in HOSTILE_XID.items()}
     split = best_ms(lambda: list(split_lines(LONG_LINE_CHUNKS, 8 * 1024 * 1024)))
-    return {"xid_hostile_ms": xid, "xid_hostile_worst_ms": max(xid.values()), "split_lines_4mb_ms": split}
+    sea = "|   0 " + " " * 4_000_000 + "x|\n"  # took 6 s at 16k spaces before lines were cut
+    row = "|   0  NVIDIA H100 " + "  ERR! " * 20 + "| 00000000:19:00.0 Off |  0 |\n"
+    record = format_record("NVRM: Xid (PCI:0000:3b:00): 79, " + "A" * 100_000, 7)
+    return {
+        "xid_hostile_ms": xid,
+        "xid_hostile_worst_ms": max(xid.values()),
+        "split_lines_4mb_ms": split,
+        "smi_sea_of_spaces_4m_ms": best_ms(lambda: parse_smi_table(sea)),
+        "smi_16000_err_rows_ms": best_ms(lambda: parse_smi_table(row * 16_000)),
+        "kmsg_record_100kb_ms": best_ms(lambda: parse_record(record)),
+    }
 
 
 if __name__ == "__main__":
