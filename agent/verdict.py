@@ -177,16 +177,21 @@ def decide(
     return Verdict(status, reason, message, tuple(rows), reasons, obs.counts)
 
 
+def cut_utf8(text: str, limit: int) -> str:
+    """The longest head of `text` that is at most `limit` bytes in UTF-8, never splitting a character."""
+    return text.encode()[: max(0, limit)].decode("utf-8", "ignore")
+
+
 def with_note(v: Verdict, note: str, limit: int = MESSAGE_LIMIT) -> Verdict:
     """The verdict with `note` appended to its message ("<message>; <note>"), the whole kept within `limit`
     bytes: the message is cut (with "…") so that the note, which reporters add last, always shows."""
     if not note:
         return v
-    note_b = note.encode()[: limit // 2].decode("utf-8", "ignore")
+    note_b = cut_utf8(note, limit // 2)
     room = limit - len(("; " + note_b).encode())
     msg = v.message
     if len(msg.encode()) > room:
-        msg = msg.encode()[: max(0, room - len("…".encode()))].decode("utf-8", "ignore") + "…"
+        msg = cut_utf8(msg, room - len("…".encode())) + "…"
     message = f"{msg}; {note_b}" if msg else note_b
     return replace(v, message=message)
 

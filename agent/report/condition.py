@@ -13,7 +13,7 @@ from typing import Any
 
 from agent.kube.client import KubeApi
 from agent.model import Verdict
-from agent.verdict import MESSAGE_LIMIT
+from agent.verdict import MESSAGE_LIMIT, cut_utf8
 
 CONDITION_TYPE = "GPUReady"
 # The chart's admission policy refuses a condition message over this many bytes (admission-policy.yaml), so that
@@ -29,7 +29,7 @@ def fit_message(message: str, limit: int = MESSAGE_LIMIT) -> str:
     if len(data) <= limit:
         return message
     tail = f"… (+{len(data)} bytes cut)"  # an upper bound on the digits; corrected below
-    head = data[: max(0, limit - len(tail.encode()))].decode("utf-8", "ignore")
+    head = cut_utf8(message, limit - len(tail.encode()))
     return f"{head}… (+{len(data) - len(head.encode())} bytes cut)"
 
 
