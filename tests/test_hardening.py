@@ -32,6 +32,7 @@ from agent.report.metrics import Metrics
 from testkit.daemons import daemons, stand_in
 from testkit.fixture_files import fixture_path
 from testkit.harness import wait_for
+from testkit.parse_counts import smi_row_lines, xid_pattern_lines
 from testkit.simhost import SimHost
 
 SINGLE = {"nvidia.com/mig.strategy": "single"}
@@ -178,37 +179,25 @@ def test_handle_error_of_newer_driver_names_the_gpu_end_to_end(tmp_path, capsys)
 # -- nvidia-smi and kmsg: linear-time parsing and bounded lines -----------------------------------------------------
 
 
-def _row_parser_input(monkeypatch) -> list[int]:
-    """The length of every line nvidia-smi's table parser hands to its row patterns (the per-line work), collected
-    as it parses; the time it takes is bench/parsing.py's."""
-    import agent.probes.nvidia_smi as smi
-
-    seen: list[int] = []
-    for name in ("_gpu_row", "_mig_row", "_cells"):
-        fn = getattr(smi, name)
-        monkeypatch.setattr(smi, name, lambda line, _fn=fn: seen.append(len(line)) or _fn(line))
-    return seen
-
-
 @pytest.mark.parametrize("spaces", [16_000, 200_000, 4_000_000])
-def test_smi_row_with_a_sea_of_spaces_is_cut_before_the_patterns(spaces, monkeypatch):
-    """The row that took 6 s at 16k spaces (and stalled at 200k) reaches the patterns at MAX_LINE characters."""
-    seen = _row_parser_input(monkeypatch)
+def test_smi_row_with_a_sea_of_spaces_is_cut_before_the_patterns(spaces):
+    """The row that took 6 s at 16k spaces (and stalled at 200k) reaches the patterns at MAX_LINE characters (its
+    time: bench/parsing.py)."""
     text = "|   0 " + " " * spaces + "x|\n"
-    t = parse_smi_table(text)
+    with smi_row_lines() as seen:
+        t = parse_smi_table(text)
     assert seen and max(seen) <= MAX_LINE, seen
     assert t.gpus == [] and smi_findings(t, 0, text)[0].severity is Severity.UNCHECKED
 
 
-def test_smi_parser_work_grows_linearly(monkeypatch):
+def test_smi_parser_work_grows_linearly():
     """8x the lines: 8x the characters the row patterns see, never more (a quadratic parser's 64x)."""
-    seen = _row_parser_input(monkeypatch)
     line = "|   0  NVIDIA H100 " + "  ERR! " * 20 + "| 00000000:19:00.0 Off |  0 |\n"
-    parse_smi_table(line * 2_000)
-    small, calls = sum(seen), len(seen)
-    seen.clear()
-    parse_smi_table(line * 16_000)
-    assert (sum(seen), len(seen)) == (8 * small, 8 * calls)
+    with smi_row_lines() as small:
+        parse_smi_table(line * 2_000)
+    with smi_row_lines() as large:
+        parse_smi_table(line * 16_000)
+    assert (sum(large), len(large)) == (8 * sum(small), 8 * len(small))
 
 
 def test_smi_lines_are_cut_to_max_line():
@@ -232,20 +221,15 @@ def test_kmsg_record_of_100kb_is_cut_before_parsing(tmp_path):
     src.close()
 
 
-def test_check_kmsg_with_a_100kb_record_finishes(simhost, capsys, monkeypatch):
+def test_check_kmsg_with_a_100kb_record_finishes(simhost, capsys):
     """The records that took `check` 20 s reach the Xid patterns cut to MAX_LINE characters, and the fatal Xid
     after them is still found."""
     from agent.kernel_log.xid import MAX_LINE as XID_LINE
-    from agent.kernel_log.xid import KernelLogParser
 
-    seen: list[int] = []
-    feed_line = KernelLogParser._feed_line
-    monkeypatch.setattr(
-        KernelLogParser, "_feed_line", lambda self, line, *a: seen.append(len(line)) or feed_line(self, line, *a)
-    )
     simhost.append_kmsg("NVRM: Xid (" + "0" * 100_000, "NVRM: Xid (PCI:0000:3b:00" + " " * 100_000)
     simhost.append_xid(79, gpu=1)
-    _, v, _ = run_check(simhost, capsys)
+    with xid_pattern_lines() as seen:
+        _, v, _ = run_check(simhost, capsys)
     assert seen and max(seen) <= XID_LINE, max(seen)
     assert (v["status"], v["reason"]) == ("False", "FatalXid"), v
 
