@@ -12,6 +12,7 @@ from collections.abc import Callable
 from agent.kernel_log.source import format_record, parse_record
 from agent.kernel_log.xid import KernelLogParser
 from agent.kube.client import split_lines
+from agent.probes.dcgm import parse_metrics
 from agent.probes.nvidia_smi import parse_smi_table
 from testkit.hostile import HOSTILE_XID, LONG_LINE_CHUNKS
 
@@ -32,6 +33,9 @@ def run() -> dict[str, object]:
     sea = "|   0 " + " " * 4_000_000 + "x|\n"  # took 6 s at 16k spaces before lines were cut
     row = "|   0  NVIDIA H100 " + "  ERR! " * 20 + "| 00000000:19:00.0 Off |  0 |\n"
     record = format_record("NVRM: Xid (PCI:0000:3b:00): 79, " + "A" * 100_000, 7)
+    evil = "DCGM_FI_DEV_ROW_REMAP_FAILURE{" + 'a="' + "\\" * 4000 + "\n"  # unterminated, escapes only
+    huge = "DCGM_FI_DEV_ROW_REMAP_FAILURE{" + 'a="' + "x" * 200_000 + '"} 1\n'
+    metrics = evil * 1000 + huge * 10 + 'DCGM_FI_DEV_ROW_REMAP_FAILURE{pci_bus_id="00000000:31:00.0"} 1\n' * 50_000
     return {
         "xid_hostile_ms": xid,
         "xid_hostile_worst_ms": max(xid.values()),
@@ -39,6 +43,7 @@ def run() -> dict[str, object]:
         "smi_sea_of_spaces_4m_ms": best_ms(lambda: parse_smi_table(sea)),
         "smi_16000_err_rows_ms": best_ms(lambda: parse_smi_table(row * 16_000)),
         "kmsg_record_100kb_ms": best_ms(lambda: parse_record(record)),
+        "dcgm_hostile_metrics_ms": best_ms(lambda: parse_metrics(metrics), runs=3),
     }
 
 

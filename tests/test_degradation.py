@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -470,9 +469,8 @@ def test_dcgm_parser_is_linear_on_hostile_input():
     evil = "DCGM_FI_DEV_ROW_REMAP_FAILURE{" + 'a="' + "\\" * 4000 + "\n"  # unterminated, escapes only
     huge = "DCGM_FI_DEV_ROW_REMAP_FAILURE{" + 'a="' + "x" * 200_000 + '"} 1\n'  # over the line bound: skipped
     line = 'DCGM_FI_DEV_ROW_REMAP_FAILURE{pci_bus_id="00000000:31:00.0"} 1\n'
-    t0 = time.monotonic()
-    samples = parse_metrics(evil * 1000 + huge * 10 + line * 50_000)
-    assert len(samples) == 50_000 and time.monotonic() - t0 < 20
+    samples = parse_metrics(evil * 1000 + huge * 10 + line * 50_000)  # its time: bench/parsing.py
+    assert len(samples) == 50_000
 
 
 # -- the GPUDegraded reason in the verdict ---------------------------------------------------------------
