@@ -156,7 +156,9 @@ def apiserver_node_gets(admin: KubeApi) -> float:
 
 
 @pytest.mark.apiserver
-def test_cache_sees_clear_before_and_labels_within_a_second(admin, make_node, sa_client, caches) -> None:
+def test_cache_sees_clear_before_and_labels_on_the_open_watch(admin, make_node, sa_client, caches) -> None:
+    """A label or annotation change reaches on_change on the watch already open: no request is made for it (the
+    time it takes is the agent's detection figure in bench/)."""
     node = make_node(labels={"nvidia.com/gpu.present": "true"})
     api, _ = sa_client(rules=WATCH_RULES, pod_on_node=node)
     verbs = Verbs()
@@ -167,16 +169,14 @@ def test_cache_sees_clear_before_and_labels_within_a_second(admin, make_node, sa
     assert cache.wait_synced(30), cache.last_error
     assert cache.get()["metadata"]["name"] == node
 
-    t0 = time.monotonic()
+    requests = dict(verbs.counts)
     admin.patch_node(node, {"metadata": {"annotations": {CLEAR: "2026-01-02T03:04:05Z"}}})
-    at = changes.wait_for(lambda s: s[1].get(CLEAR) == "2026-01-02T03:04:05Z")[0]
-    assert at - t0 < 1.0, f"clear-before seen after {at - t0:.3f}s"
+    changes.wait_for(lambda s: s[1].get(CLEAR) == "2026-01-02T03:04:05Z")
     assert cache.get()["metadata"]["annotations"][CLEAR] == "2026-01-02T03:04:05Z"
 
-    t0 = time.monotonic()
     admin.patch_node(node, {"metadata": {"labels": {"preflight": "passed"}}})
-    at = changes.wait_for(lambda s: s[2].get("preflight") == "passed")[0]
-    assert at - t0 < 1.0, f"label seen after {at - t0:.3f}s"
+    changes.wait_for(lambda s: s[2].get("preflight") == "passed")
+    assert verbs.counts == requests  # both arrived on the watch already open: no GET, LIST or new WATCH
 
     # a status-only change (a condition write, kubelet's heartbeat) updates the cache without a callback
     n_changes = len(changes.seen)
