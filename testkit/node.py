@@ -84,6 +84,8 @@ CGROUP_MOUNTS = Path("/sys/fs/cgroup")
 
 
 HOST_LOCK = "/run/gpu-ready-realnode.lock"
+# kubelet's device-manager checkpoint: next to pluginapi.KubeletSocket, whatever --root-dir is
+DEVICE_MANAGER_CHECKPOINT = Path("/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint")
 HOST_LOCK_WAIT_S = 2400.0  # another run's real-node module takes minutes
 _HOLDERS: set[str] = set()  # the nodes of this process that hold the lock
 
@@ -526,6 +528,12 @@ resolvConf: /etc/resolv.conf
 
     def _start_kubelet(self, timeout_s: float) -> None:
         t0 = time.monotonic()
+        # The device manager keeps its checkpoint beside its fixed registration socket, outside --root-dir, so an
+        # earlier node on this host leaves its resources there. A kubelet that starts with a checkpoint naming
+        # nvidia.com/gpu reports that resource's capacity as 0 for five minutes (its stopped-endpoint grace), which
+        # overwrites what a test advertises: a new node starts without one, as a freshly installed host does.
+        # (restart_kubelet keeps it: a restarted kubelet restores its allocations from it.)
+        DEVICE_MANAGER_CHECKPOINT.unlink(missing_ok=True)
         self.kubelet_root.mkdir(parents=True, exist_ok=True)
         self.pod_logs.mkdir(parents=True, exist_ok=True)
         cfg = self.workdir / "kubelet.yaml"

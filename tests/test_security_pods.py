@@ -288,17 +288,22 @@ def pods_cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathF
     )
     env = Env(a, b, ns, other, "train-0", pod["metadata"]["uid"])
     c = PodsCluster(control_plane, admin, on, off, env)
-    api = c.token(on, a)
-    wait_for(  # the policies take a moment to load after creation
-        lambda: denied_by_policy(
-            lambda: api.request("POST", events_path(EVENT_NAMESPACE), {**node_event(env), "reportingController": "x"}),
-            f"{on.fullname}-own-events-only",
-        ),
-        60,
-        0.2,
-        "the Events admission policy to take effect",
-    )
-    api.close()
+    for rel in (on, off):  # each release's policies take a moment to load after creation: both, not only the first
+        api = c.token(rel, a)
+        try:
+            wait_for(
+                lambda api=api, rel=rel: denied_by_policy(
+                    lambda: api.request(
+                        "POST", events_path(EVENT_NAMESPACE), {**node_event(env), "reportingController": "x"}
+                    ),
+                    f"{rel.fullname}-own-events-only",
+                ),
+                60,
+                0.2,
+                f"release {rel.fullname}'s Events admission policy to take effect",
+            )
+        finally:
+            api.close()
     yield c
     for n in (a, b):
         admin.request("DELETE", f"/api/v1/nodes/{n}")
