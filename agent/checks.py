@@ -88,7 +88,7 @@ def _infiniband(cfg: Config, shared: Shared) -> Probe:
         cfg.ib_min_rate_gbps,
         cfg.ib_rate_peers,
         FlapThresholds(cfg.ib_flap_count, cfg.ib_flap_window),
-        cfg.require_gpudirect,
+        cfg.require_gpu_direct,
     )
     return InfinibandProbe(cfg.sysfs_root, thresholds=t)
 

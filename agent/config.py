@@ -244,7 +244,7 @@ class Config:
     ib_rate_peers: bool
     ib_flap_count: int
     ib_flap_window: float
-    require_gpudirect: bool
+    require_gpu_direct: bool
     fabric: str
     fabric_manager: bool
     fabric_manager_address: str | None

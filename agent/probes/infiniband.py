@@ -394,7 +394,7 @@ SETTINGS = (
     ),
     Setting("ib_flap_window", positive(to_float, DAY), 600.0, "seconds over which InfiniBand link downs are counted"),
     Setting(
-        "require_gpudirect",
+        "require_gpu_direct",
         to_bool,
         False,
         "the nvidia_peermem module (GPUDirect RDMA) must be loaded; missing: GPUDegraded",
