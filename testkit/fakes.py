@@ -115,6 +115,7 @@ def fake_nvml(gpus, init_error=None, hang=None):
     call("nvmlDeviceGetUtilizationRates", optional("util", lambda u: types.SimpleNamespace(gpu=u, memory=0)))
     call("nvmlDeviceGetCurrPcieLinkGeneration", lambda h: gpus[h].get("pcie_gen_cur", gpus[h].get("pcie_gen", 5)))
     call("nvmlDeviceGetCurrPcieLinkWidth", lambda h: gpus[h].get("pcie_width_cur", gpus[h].get("pcie_width", 16)))
+
     def fabric(h, ref):
         """fabric: {state, status, clique, cluster (16 bytes), health (mask)}; absent: NOT_SUPPORTED;
         fabric_error: an NVML error code."""

@@ -60,7 +60,9 @@ def derived(path, gpu: str, **fields: str) -> str:
 
 def test_the_hgx_h100_capture_has_a_completed_fabric_on_every_gpu():
     infos = parse_smi_q(HGX_H100.read_text())
-    assert [a.nvml for a in infos] == [PciAddress(0, b, 0).nvml for b in (0x19, 0x3B, 0x4C, 0x5D, 0x9B, 0xBB, 0xCB, 0xDB)]
+    assert [a.nvml for a in infos] == [
+        PciAddress(0, b, 0).nvml for b in (0x19, 0x3B, 0x4C, 0x5D, 0x9B, 0xBB, 0xCB, 0xDB)
+    ]
     assert {(i.state, i.status) for i in infos.values()} == {("Completed", "Success")}
     assert fabric_findings(infos.values()) == []
 
@@ -234,7 +236,7 @@ def test_fabric_manager_port(simhost):
 
 def test_no_fabric_and_no_infiniband_reports_nothing(tmp_path):
     host = SimHost(tmp_path / "plain", extra_functions=False)  # no NVSwitch, no ConnectX, State N/A
-    suite, v, stats = run_suite(host)
+    suite, v, _ = run_suite(host)
     assert v.status is Status.TRUE
     assert "fabric" not in v.message.lower() and "InfiniBand" not in v.message
     for check in (Check.FABRIC, Check.FABRIC_MANAGER, Check.INFINIBAND):
@@ -294,7 +296,7 @@ def test_imex_ready_idle_not_ready_and_missing(simhost):
 
 
 def test_imex_is_opt_in(simhost):
-    suite, v, _ = run_suite(simhost)
+    suite, _, _ = run_suite(simhost)
     assert suite.probe(Check.IMEX) is None
     simhost.set_imex("NOT_READY")
     _, v, _ = run_suite(simhost, imex=True, imex_ctl=str(simhost.imex_ctl))
@@ -330,7 +332,11 @@ def test_the_agent_reports_the_fabric_and_exports_clique_and_cluster(admin, agen
     simhost.set_fabric("Completed", "Success", clique_id=7, cluster_uuid="5f0c5d2a-8e2b-4c1f-9a7d-3e6b1c2d3e4f")
     a = agent_factory(extra={"--poll-interval": "0.5"})
     a.wait_status(admin, "True")
-    labels: dict[str, str] = {"clique_id": "7", "cluster_uuid": "5f0c5d2a-8e2b-4c1f-9a7d-3e6b1c2d3e4f", "state": "Completed"}
+    labels: dict[str, str] = {
+        "clique_id": "7",
+        "cluster_uuid": "5f0c5d2a-8e2b-4c1f-9a7d-3e6b1c2d3e4f",
+        "state": "Completed",
+    }
     wait_for(lambda: a.metric("gpu_ready_fabric_info", labels) == 8, 20, what="the fabric info of 8 GPUs")
     assert a.metric("gpu_ready_fabric_manager_ready") == 1
     simhost.set_fabric("In Progress", "N/A", gpus=(4,))
