@@ -343,3 +343,23 @@ def test_the_agent_reports_the_fabric_and_exports_clique_and_cluster(admin, agen
     a.wait_status(admin, "False", "FabricNotReady")
     wait_for(lambda: "fabric manager not finished" in a.gpu_ready(admin)["message"], 10, what="the cause named")
     assert a.metric("gpu_ready_fabric_manager_ready") == 0
+
+
+def test_without_a_fabric_nvidia_smi_q_is_not_run_every_poll(simhost):
+    """The simulated default (State N/A, as PCIe GPUs and A100 HGX show): one -q, then none until the GPUs change or
+    the refresh interval passes; a node with a fabric reads it every poll."""
+    suite = CheckSuite(suite_cfg(simhost))
+    clock = [0.0]
+    suite.clock = lambda: clock[0]
+    for t in (0.0, 30.0, 60.0):
+        clock[0] = t
+        suite.run(None)
+    assert simhost.smi_q_call_count() == 1 and simhost.smi_call_count() == 3
+    clock[0] = 700.0
+    suite.run(None)
+    assert simhost.smi_q_call_count() == 2
+    simhost.set_fabric("Completed", "Success")  # seen at the next refresh, then read every poll
+    for t in (710.0, 1299.0, 1301.0, 1330.0, 1360.0):
+        clock[0] = t
+        suite.run(None)
+    assert simhost.smi_q_call_count() == 5

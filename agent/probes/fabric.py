@@ -55,6 +55,7 @@ INCORRECT_CONFIGURATION = {
 }
 MAX_LINE = 1024
 MAX_GPUS = 64
+NA_REFRESH_S = 600.0  # without NVML, a node whose GPUs showed no fabric runs `nvidia-smi -q` again this often
 _GPU_LINE = re.compile(r"^GPU ([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])\s*$")
 _KEY_VALUE = re.compile(r"^( {4,16})([A-Za-z][A-Za-z ]{0,60}?)\s*:\s?(.{0,200})$")
 _HEADING = re.compile(r"^( {4,16})([A-Za-z][A-Za-z ]{0,60}?)\s*$")
@@ -295,6 +296,9 @@ class FabricProbe:
 
     def __init__(self, mode: str, smi: Any) -> None:
         self.mode, self.smi = mode, smi
+        # nvidia-smi's GPUs when the last `nvidia-smi -q` showed no fabric on any of them, and when: a GPU without a
+        # fabric does not grow one, so -q runs again only when the GPUs change or NA_REFRESH_S has passed.
+        self._na: tuple[tuple[PciAddress, ...], float] | None = None
 
     def read(self, context: ProbeContext) -> ProbeResult:
         nvml = context.ran(Check.NVML)
@@ -326,6 +330,9 @@ class FabricProbe:
         smi = context.ran(Check.NVIDIA_SMI)
         if smi is None:
             return self._unchecked("NVLink fabric: nvidia-smi did not run this cycle")
+        key = tuple(sorted(g.address for g in smi.gpus))
+        if self._na is not None and self._na[0] == key and context.now - self._na[1] < NA_REFRESH_S:
+            return ProbeResult.of(Check.FABRIC, payload=FabricReport("nvidia-smi", [FabricInfo(a) for a in key]))
         run = self.smi.run(("-q",))
         if run.exit_code != 0 or run.output_capped:
             why = run.error or ("timed out" if run.timed_out else f"exit code {run.exit_code}")
@@ -335,6 +342,7 @@ class FabricProbe:
         for g in smi.gpus:
             infos.setdefault(g.address, FabricInfo(g.address))
         report = FabricReport("nvidia-smi", [infos[a] for a in sorted(infos)])
+        self._na = None if report.applicable or not key else (key, context.now)
         return ProbeResult.of(Check.FABRIC, fabric_findings(report.gpus), payload=report)
 
     @staticmethod

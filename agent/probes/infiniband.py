@@ -23,7 +23,8 @@ drivers) is not read, one that exists but does not parse is "could not check". E
 read. The error counters other than `link_downed` are reported (metrics, `check --json`), not judged.
 
 Each GPU's rail: the InfiniBand device whose PCI function shares the longest stretch of the GPU's sysfs path below
-the root complex (the same PCIe switch or root port; nothing shared: no rail). `gpu-ready gpus` shows it."""
+the root complex (the same PCIe switch or root port; nothing shared: no rail), resolved again only when the devices
+or the GPUs change. `gpu-ready gpus` shows it."""
 
 from __future__ import annotations
 
@@ -340,6 +341,8 @@ class InfinibandProbe:
         self.root = os.path.join(sysfs_root, "class", "infiniband")
         self.t = thresholds or IbThresholds(expected_nics, min_rate_gbps, rate_peers=False)
         self.tracker = FlapTracker(self.t.flaps)
+        self._rails_key: tuple[tuple[str, ...], tuple[PciAddress, ...]] | None = None
+        self._rails: dict[PciAddress, str] = {}
 
     def read(self, context: ProbeContext) -> ProbeResult:
         try:
@@ -362,7 +365,11 @@ class InfinibandProbe:
                     )
                 )
         if ports:
-            report.gpu_rails = gpu_rails(self.root, self.sysfs_root, context.gpus(), (p.device for p in ports))
+            # The topology is fixed while the devices and GPUs stay: the paths are resolved again when they change.
+            key = (tuple(sorted({p.device for p in ports})), tuple(sorted(context.gpus())))
+            if key != self._rails_key:
+                self._rails_key, self._rails = key, gpu_rails(self.root, self.sysfs_root, key[1], key[0])
+            report.gpu_rails = dict(self._rails)
         return ProbeResult.of(Check.INFINIBAND, findings, payload=report)
 
 
