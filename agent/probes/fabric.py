@@ -316,7 +316,8 @@ class FabricProbe:
             if g.address is None:
                 continue
             if g.fabric is None:
-                unread.append(f"{g.address}: {g.fabric_error or 'not read'}")
+                if g.fabric_error is not None:  # else NVML stopped before it (a lost GPU: its own fault)
+                    unread.append(f"{g.address}: {g.fabric_error}")
                 continue
             report.gpus.append(g.fabric)
         findings = fabric_findings(report.gpus)
