@@ -363,3 +363,9 @@ def test_without_a_fabric_nvidia_smi_q_is_not_run_every_poll(simhost):
         clock[0] = t
         suite.run(None)
     assert simhost.smi_q_call_count() == 5
+
+
+def test_not_supported_in_words_is_not_applicable():
+    text = derived(H200_590, "00000000:83:00.0", State="Not Supported", Status="N/A")
+    (info,) = parse_smi_q(text).values()
+    assert not info.applicable and fabric_findings([info]) == []

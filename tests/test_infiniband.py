@@ -207,11 +207,20 @@ def test_gpudirect_required_and_missing(tmp_path):
     assert r.findings == () and r.payload.gpudirect is True
 
 
-def test_a_garbled_counter_is_could_not_check(tmp_path):
+def test_a_counter_that_does_not_read_is_reported_and_the_state_still_judges(tmp_path):
     host = hgx(tmp_path)
     host.set_ib_counters("mlx5_7", symbol_error="lots")
-    r = full(host).read(ctx_at(0))
-    assert not r.ran and "symbol_error" in r.findings[0].message and "is not a number" in r.findings[0].message
+    link_downed = host.sysfs / "class" / "infiniband" / "mlx5_6" / "ports" / "1" / "counters" / "link_downed"
+    link_downed.unlink()
+    link_downed.mkdir()  # there, but does not read (EISDIR, for root too), as a driver refusing a counter
+    p = full(host, flaps=FlapThresholds(1, 600.0))
+    r = p.read(ctx_at(0))
+    assert r.ran and [(f.severity, f.kind) for f in r.findings] == [(Severity.INFO, "counters_unreadable")] * 2
+    assert "symbol_error" in r.findings[1].message and "is not a number" in r.findings[1].message
+    assert "symbol_error" not in r.payload.ports[7].counters and r.payload.ports[7].counters["link_downed"] == 0
+    host.set_ib_port("mlx5_6", state="1: DOWN", phys_state="2: Polling")
+    kinds = [f.kind for f in p.read(ctx_at(10)).findings if f.severity is Severity.FAULT]
+    assert kinds == ["rail_down", "rail_flapping"]  # the down seen from the state, without its counter
 
 
 def test_the_rail_metrics_per_device_and_port(tmp_path):

@@ -38,6 +38,7 @@ from agent.probes.base import ProbeContext
 from agent.settings import Setting, choice
 
 NOT_APPLICABLE = "N/A"
+NOT_APPLICABLE_WORDS = frozenset({NOT_APPLICABLE, "Not Supported", ""})  # how nvidia-smi says "no fabric"
 STATE_NAMES = {0: NOT_APPLICABLE, 1: "Not Started", 2: "In Progress", 3: "Completed"}
 # Health values that say nothing is wrong, in nvidia-smi's words and in the ones decode_health gives NVML's bits.
 HEALTHY_VALUES = frozenset({"N/A", "False", "None", "Healthy", "Full", "Not Supported", "Connected", "No", ""})
@@ -221,8 +222,8 @@ def parse_smi_q(text: str) -> dict[PciAddress, FabricInfo]:
 
 
 def _info(gpu: PciAddress, block: Mapping[str, str], health: Mapping[str, str]) -> FabricInfo:
-    state = block.get("State", NOT_APPLICABLE) or NOT_APPLICABLE
-    if state == NOT_APPLICABLE:
+    state = block.get("State", NOT_APPLICABLE)
+    if state in NOT_APPLICABLE_WORDS:
         return FabricInfo(gpu)
     clique = block.get("CliqueId", "")
     return FabricInfo(

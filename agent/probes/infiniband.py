@@ -19,7 +19,8 @@ Judged GPUDegraded (the GPUs work; work over this rail does not, or slower), eac
   (`gpudirect_missing`): NCCL then stages every transfer through host memory.
 A node with no InfiniBand device has nothing to judge: no finding unless `expectedNics` asks for some. A port
 whose state files exist but cannot be read or parsed is "could not check"; a counter that is absent (some RoCE
-drivers) is not read, one that exists but does not parse is "could not check". Each file read is one bounded
+drivers) is not read, one that exists but does not read or parse is reported (info, `counters_unreadable`): the
+port's state still judges the rail, and its flaps are then seen from state changes only. Each file read is one bounded
 read. The error counters other than `link_downed` are reported (metrics, `check --json`), not judged.
 
 Each GPU's rail: the InfiniBand device whose PCI function shares the longest stretch of the GPU's sysfs path below
@@ -58,6 +59,7 @@ class Port:
     rate_gbps: float | None  # None: the device gives no rate
     link_layer: str = ""  # "InfiniBand" / "Ethernet" (RoCE); "" when not given
     counters: Mapping[str, int] = field(default_factory=dict)  # the COUNTERS the port has
+    counter_errors: tuple[str, ...] = ()  # counters there that did not read or parse (why, one line each)
 
     @property
     def rail(self) -> str:
@@ -96,18 +98,25 @@ def _state(path: str) -> tuple[int, str]:
     return int(m[1]), m[2].strip()
 
 
-def _counters(base: str) -> dict[str, int]:
-    out = {}
+def _counters(base: str) -> tuple[dict[str, int], tuple[str, ...]]:
+    """The counters that read, and why the others there did not: a driver may refuse one (EINVAL on some RoCE
+    devices); the port's state still judges the rail, so that is reported, not "could not check"."""
+    out, errors = {}, []
     for name in COUNTERS:
         path = f"{base}/counters/{name}"
-        text = _read(path)
+        try:
+            text = _read(path)
+        except Unreadable as e:
+            errors.append(str(e))
+            continue
         if text is None:
             continue
         m = _COUNTER.match(text)
         if m is None:
-            raise Unreadable(f"{path}: {text[:40]!r} is not a number")
+            errors.append(f"{path}: {text[:40]!r} is not a number")
+            continue
         out[name] = int(m[1])
-    return out
+    return out, tuple(errors)
 
 
 def read_ports(root: str, counters: bool = True) -> list[Port]:
@@ -131,17 +140,9 @@ def read_ports(root: str, counters: bool = True) -> list[Port]:
             rate = _read(os.path.join(base, "rate"))
             m = _RATE.match(rate or "")
             layer = (_read(os.path.join(base, "link_layer")) or "").strip()[:16]
-            out.append(
-                Port(
-                    dev,
-                    p,
-                    _state(base + "/state"),
-                    _state(base + "/phys_state"),
-                    float(m[1]) if m else None,
-                    layer,
-                    _counters(base) if counters else {},
-                )
-            )
+            values, errors = _counters(base) if counters else ({}, ())
+            state, phys = _state(base + "/state"), _state(base + "/phys_state")
+            out.append(Port(dev, p, state, phys, float(m[1]) if m else None, layer, values, errors))
     return out
 
 
@@ -155,6 +156,15 @@ def port_findings(
             if p.up and p.rate_gbps is not None:
                 fastest[p.link_layer] = max(fastest.get(p.link_layer, 0.0), p.rate_gbps)
     for p in ports:
+        if p.counter_errors:
+            out.append(
+                Finding.info(
+                    Check.INFINIBAND,
+                    f"InfiniBand rail {p.rail}: error counters unreadable, flaps seen from state changes only: "
+                    f"{p.counter_errors[0]}",
+                    kind="counters_unreadable",
+                )
+            )
         expected = min_rate_gbps if min_rate_gbps is not None else fastest.get(p.link_layer)
         if not p.up:
             out.append(
