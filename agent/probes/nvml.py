@@ -6,8 +6,9 @@ NVLink. Every call runs in a worker thread under a deadline; a call that never r
 and no further NVML call starts while it is stuck.
 
 For the degradation probes (docs/degradation.md) it also reads, when asked, each GPU's PCIe load (utilisation and
-link generation, probes/pcie.py), one clock-event sample (probes/clocks.py) and its UUID (to map
-dcgm-exporter series): the readings ride on the snapshot, the judging is done by those probes."""
+link generation, probes/pcie.py), one clock-event sample (probes/clocks.py), its UUID (to map
+dcgm-exporter series) and its NVLink fabric (probes/fabric.py): the readings ride on the snapshot, the judging is
+done by those probes."""
 
 from __future__ import annotations
 
