@@ -369,3 +369,18 @@ def test_not_supported_in_words_is_not_applicable():
     text = derived(H200_590, "00000000:83:00.0", State="Not Supported", Status="N/A")
     (info,) = parse_smi_q(text).values()
     assert not info.applicable and fabric_findings([info]) == []
+
+
+def test_the_fabric_manager_could_not_check(tmp_path, simhost):
+    host = SimHost(tmp_path / "h", extra_functions=False)
+    devices = host.sysfs / "bus" / "pci" / "devices"
+    moved = devices.rename(devices.with_name("devices.real"))
+    devices.write_text("")  # there, but not a directory that lists (ENOTDIR)
+    r = FabricManagerProbe(str(host.sysfs)).read(ProbeContext())
+    assert not r.ran and r.findings[0].severity is Severity.UNCHECKED and "Not a directory" in r.findings[0].message
+    devices.unlink()
+    moved.rename(devices)
+    r = FabricManagerProbe(str(simhost.sysfs), "no-such-host.invalid:6666").read(ProbeContext())
+    assert (
+        not r.ran and r.findings[0].severity is Severity.UNCHECKED and "no-such-host.invalid" in r.findings[0].message
+    )

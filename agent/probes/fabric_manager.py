@@ -14,6 +14,7 @@ What is read, and why:
   per poll under a 1 s deadline. Refused or unreachable: `fm_not_running` (FabricNotReady). This is the only
   signal on NVSwitch systems whose GPUs report no fabric state (A100 HGX).
 - the kernel log's NVSwitch records (SXid) are judged by the kernel-log watcher, not here.
+A PCI listing that exists but cannot be read, or an address whose host name does not resolve, is could not check.
 On an NVSwitch system where no GPU reports a fabric state and no address is set, the fabric manager is not judged:
 `check --json` says so (`fabric_manager.judged` false). A fabric probe that could not check leaves this probe
 without a state; the fabric probe's own "could not check" already keeps the node from True."""
@@ -62,6 +63,7 @@ class NvswitchScanner:
         self._known: dict[str, bool] = {}
 
     def scan(self) -> list[str]:
+        """Raises OSError when the listing exists but cannot be read (could not check)."""
         try:
             names = sorted(os.listdir(self.root))[:MAX_FUNCTIONS]
         except FileNotFoundError:
@@ -77,12 +79,19 @@ class NvswitchScanner:
         return [n for n, hit in known.items() if hit]
 
 
+class Unresolvable(Exception):
+    pass
+
+
 def fm_reachable(address: str) -> str | None:
-    """None when the fabric manager's command port accepts a connection; else why not."""
+    """None when the fabric manager's command port accepts a connection; else why not. Unresolvable when the host
+    name does not resolve (nothing was asked of the fabric manager: could not check)."""
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=CONNECT_TIMEOUT_S):
             return None
+    except socket.gaierror as e:
+        raise Unresolvable(f"{host}: {e.strerror or e}") from None
     except OSError as e:
         return e.strerror or type(e).__name__
 
@@ -95,7 +104,10 @@ class FabricManagerProbe:
         self.address = address
 
     def read(self, context: ProbeContext) -> ProbeResult:
-        report = FabricManagerReport(self.scanner.scan())
+        try:
+            report = FabricManagerReport(self.scanner.scan())
+        except OSError as e:
+            return self._unchecked(f"fabric manager: {self.scanner.root}: {e.strerror or e}")
         if not report.nvswitches:
             return ProbeResult.of(Check.FABRIC_MANAGER, payload=report)
         n = len(report.nvswitches)
@@ -131,7 +143,10 @@ class FabricManagerProbe:
                 report.state = "fabric completed"
         if self.address is not None and not findings:
             report.judged = True
-            why = fm_reachable(self.address)
+            try:
+                why = fm_reachable(self.address)
+            except Unresolvable as e:
+                return self._unchecked(f"fabric manager: {e}")
             if why is not None:
                 report.state = "not running"
                 findings.append(
@@ -147,6 +162,10 @@ class FabricManagerProbe:
         if not report.judged:
             report.state = "not judged: no GPU reports a fabric state and fabricManagerAddress is unset"
         return ProbeResult.of(Check.FABRIC_MANAGER, findings, payload=report)
+
+    @staticmethod
+    def _unchecked(message: str) -> ProbeResult:
+        return ProbeResult.of(Check.FABRIC_MANAGER, (Finding.unchecked(Check.FABRIC_MANAGER, message),))
 
 
 SETTINGS = (
