@@ -30,6 +30,8 @@ from agent.kernel_log.xid import KernelLogParser
 from agent.model import PciAddress, Severity
 from agent.preflight import FAIL, Profile, ProfileError, read_results
 from agent.probes.device_plugin import plugin_counts, plugin_findings
+from agent.probes.fabric import MAX_GPUS as FABRIC_MAX_GPUS
+from agent.probes.fabric import fabric_findings, parse_smi_q
 from agent.probes.nvidia_smi import MAX_LINE as SMI_LINE
 from agent.probes.nvidia_smi import parse_smi_table, smi_findings
 from agent.settings import INT_LIMIT, in_range, to_float, to_int, to_int_list
@@ -157,6 +159,20 @@ def test_smi_parser(text: str, rc: int) -> None:
         assert findings and all(f.severity is not Severity.INFO for f in findings)
     if rc != 0:
         assert any(f.severity is Severity.FAULT for f in findings)
+
+
+# -- nvidia-smi -q: the Fabric blocks ------------------------------------------------------------------------------
+
+
+@budget(150)
+@given(smi_text)
+def test_smi_q_fabric_parser(text: str) -> None:
+    infos = parse_smi_q(text)
+    assert len(infos) <= FABRIC_MAX_GPUS
+    for addr, info in infos.items():
+        assert info.gpu == addr and len(info.state) <= 200 and len(info.status) <= 200
+    for f in fabric_findings(infos.values()):  # every finding names one of the GPUs read
+        assert f.gpu in infos and f.severity is Severity.FAULT
 
 
 # -- kernel log: record parser, file reader, Xid parser ----------------------------------------------------------
