@@ -292,6 +292,9 @@ def test_rail_down_reaches_the_condition_within_one_poll(env: Env) -> None:
         print(f"\n[real node] rail down -> named in the condition after {polls} poll(s), {c['reason']}")
     finally:
         shutil.rmtree(ib, ignore_errors=True)
+    # Leave the Node True, as found: a restarted agent holds its first write when it would not change the status
+    # the Node shows (start spread), which would slow the next test's Xid.
+    wait_for(lambda: (c := env.gpu_ready()) and c["status"] == "True", 240, 0.5, "GPUReady back to True")
 
 
 def _xid_label(env: Env, gpu: int, xid: int = 79) -> str:
