@@ -16,7 +16,11 @@
   CAP_MKNOD); otherwise each node is a symbolic link to /dev/null, which is a real character device, so
   the probe's "is a character device" check runs unchanged (it follows links, as it must for
   /run/nvidia/driver/dev) without root;
-- `DcgmExporterStandIn`, a dcgm-exporter stand-in serving metric text over HTTP on loopback.
+- `DcgmExporterStandIn`, a dcgm-exporter stand-in serving metric text over HTTP on loopback;
+- the multi-node sources (docs/fabric.md): `nvidia-smi -q` answered with each GPU's Fabric block (`smi_q`, or a
+  captured `-q` through `set_smi_q`; counted apart from the table runs, `smi_q_call_count`), InfiniBand ports with
+  their error counters (`set_ib_port`, `set_ib_counters`) and ConnectX functions beside the GPUs (`add_rail`, with
+  pcie_bridges=True), kernel modules (`load_module`: nvidia_peermem) and the IMEX control tool (`set_imex`).
 """
 
 from __future__ import annotations
