@@ -384,3 +384,10 @@ def test_the_fabric_manager_could_not_check(tmp_path, simhost):
     assert (
         not r.ran and r.findings[0].severity is Severity.UNCHECKED and "no-such-host.invalid" in r.findings[0].message
     )
+
+
+def test_no_gpu_listed_no_fabric_read(simhost):
+    simhost.set_smi(output="No devices were found\n", exit_code=6)
+    suite, v, _ = run_suite(simhost)
+    assert v.reason is Reason.NVIDIA_SMI_FAILED and simhost.smi_q_call_count() == 0
+    assert suite.results[Check.FABRIC].ran and suite.results[Check.FABRIC].findings == ()

@@ -300,7 +300,11 @@ def test_check_cli(host: SimHost, node: Any, smi: str, rc: int) -> None:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli_main(["check", *host.check_args(), "--json", "--node-json", str(node_path)])
     runs = (host.root / "runs").read_text().splitlines()
-    assert len(runs) <= 1, runs  # one nvidia-smi run at most (none when the Node JSON is refused): no retry loop
+    # One table run at most (none when the Node JSON is refused) and at most one `-q` for the NVLink fabric (NVML is
+    # off here; only after a table that listed GPUs): no retry loop.
+    assert runs.count("") <= 1 and runs.count("-q") <= 1 and set(runs) <= {"", "-q"}, runs
+    if "-q" in runs:
+        assert runs.index("-q") == 1 and parse_smi_table(smi).gpus, runs
     assert code in (0, 1, 2, 3) and "Traceback" not in out.getvalue() + err.getvalue()
     if not out.getvalue().strip():  # refused as bad input: one line, exit 2
         assert code == 2 and len(err.getvalue().strip().splitlines()) == 1

@@ -333,6 +333,8 @@ class FabricProbe:
         if smi is None:
             return self._unchecked("NVLink fabric: nvidia-smi did not run this cycle")
         key = tuple(sorted(g.address for g in smi.gpus))
+        if not key:  # nvidia-smi listed no GPU: no fabric to ask about (its own finding says why)
+            return ProbeResult.of(Check.FABRIC, payload=FabricReport("nvidia-smi"))
         if self._na is not None and self._na[0] == key and context.now - self._na[1] < NA_REFRESH_S:
             return ProbeResult.of(Check.FABRIC, payload=FabricReport("nvidia-smi", [FabricInfo(a) for a in key]))
         run = self.smi.run(("-q",))
@@ -344,7 +346,7 @@ class FabricProbe:
         for g in smi.gpus:
             infos.setdefault(g.address, FabricInfo(g.address))
         report = FabricReport("nvidia-smi", [infos[a] for a in sorted(infos)])
-        self._na = None if report.applicable or not key else (key, context.now)
+        self._na = None if report.applicable else (key, context.now)
         return ProbeResult.of(Check.FABRIC, fabric_findings(report.gpus), payload=report)
 
     @staticmethod
