@@ -25,7 +25,10 @@ from agent.probes.clocks import ClockEventTracker, ClocksProbe, ClockThresholds
 from agent.probes.dcgm import DcgmProbe, DcgmThresholds
 from agent.probes.device_nodes import DeviceNodesProbe, DeviceNodeThresholds
 from agent.probes.dra import DraInventory, GpuServingProbe
-from agent.probes.infiniband import InfinibandProbe
+from agent.probes.fabric import FabricProbe
+from agent.probes.fabric_manager import FabricManagerProbe
+from agent.probes.imex import ImexProbe
+from agent.probes.infiniband import FlapThresholds, IbThresholds, InfinibandProbe
 from agent.probes.mig_config import MigConfigProbe
 from agent.probes.nvidia_smi import NvidiaSmiProbe, NvidiaSmiRunner
 from agent.probes.nvml import NvmlProbe
@@ -38,6 +41,7 @@ def nvml_reads(cfg: Config, probe: NvmlProbe) -> NvmlProbe:
     probe.read_load = cfg.pcie and cfg.pcie_speed
     probe.read_clocks = cfg.clock_events
     probe.read_uuids = cfg.dcgm_exporter is not None or cfg.pod_resources
+    probe.read_fabric = cfg.fabric in ("auto", "nvml")
     return probe
 
 
@@ -78,6 +82,17 @@ def _allocation(cfg: Config, shared: Shared) -> Probe:
     return AllocationProbe(reader, shared)
 
 
+def _infiniband(cfg: Config, shared: Shared) -> Probe:
+    t = IbThresholds(
+        cfg.expected_nics,
+        cfg.ib_min_rate_gbps,
+        cfg.ib_rate_peers,
+        FlapThresholds(cfg.ib_flap_count, cfg.ib_flap_window),
+        cfg.require_gpu_direct,
+    )
+    return InfinibandProbe(cfg.sysfs_root, thresholds=t)
+
+
 def always(cfg: Config) -> bool:
     return True
 
@@ -104,11 +119,14 @@ REGISTRY: tuple[ProbeSpec, ...] = (
             DcgmThresholds(cfg.dcgm_exporter, cfg.dcgm_required, cfg.dcgm_timeout, node_name=cfg.node_name)
         ),
     ),
+    ProbeSpec(Check.INFINIBAND, lambda cfg: cfg.infiniband, _infiniband),
+    ProbeSpec(Check.FABRIC, lambda cfg: cfg.fabric != "off", lambda cfg, shared: FabricProbe(cfg.fabric, shared.smi)),
     ProbeSpec(
-        Check.INFINIBAND,
-        lambda cfg: cfg.infiniband,
-        lambda cfg, shared: InfinibandProbe(cfg.sysfs_root, cfg.expected_nics, cfg.ib_min_rate_gbps),
+        Check.FABRIC_MANAGER,
+        lambda cfg: cfg.fabric_manager,
+        lambda cfg, shared: FabricManagerProbe(cfg.sysfs_root, cfg.fabric_manager_address),
     ),
+    ProbeSpec(Check.IMEX, lambda cfg: cfg.imex, lambda cfg, shared: ImexProbe(cfg.imex_ctl, cfg.imex_timeout)),
     ProbeSpec(Check.POD_RESOURCES, lambda cfg: cfg.pod_resources, _allocation),
     ProbeSpec(Check.MIG_LAYOUT, always, lambda cfg, shared: MigConfigProbe(cfg.mig_pending_timeout)),
     ProbeSpec(Check.XID, always, lambda cfg, shared: KernelLogProbe(shared.kernel_log, shared.latch_store)),

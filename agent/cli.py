@@ -18,7 +18,8 @@ from agent.kernel_log.watcher import KernelLog, place_events, read_once
 from agent.kernel_log.xid import KernelLogParser, XidClassifier
 from agent.kube.client import ApiError, KubeApi, connect
 from agent.logs import setup_logging
-from agent.model import LatchedFault, Observation, Status, Verdict, XidEvent
+from agent.model import Check, LatchedFault, Observation, Status, Verdict, XidEvent
+from agent.probes.infiniband import RailReport
 from agent.report.blast_radius import gpus_json, render_gpus
 from agent.report.condition import on_node, render_on_node
 from agent.settings import load_json, read_text_file
@@ -89,14 +90,30 @@ def allocation_of(
     return None, why.splitlines()[0][:300] if why else "no answer"
 
 
+MULTINODE = (Check.INFINIBAND, Check.FABRIC, Check.FABRIC_MANAGER, Check.IMEX)
+
+
+def multinode_json(suite: CheckSuite) -> dict[str, Any]:
+    """What the multi-node probes read this cycle, by check (docs/fabric.md): null for one that is off or could not
+    read its source (the verdict's message says why)."""
+    out: dict[str, Any] = {}
+    for check in MULTINODE:
+        r = suite.results.get(check)
+        p = r.payload if r is not None and r.ran else None
+        out[str(check)] = p.to_json() if p is not None and hasattr(p, "to_json") else p
+    return out
+
+
 def verdict_json(
     v: Verdict,
     xids: list[XidEvent],
     fencing: FenceResult | None = None,
     allocation: tuple[AllocationMap | None, str | None] = (None, "podResources is off"),
+    multinode: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`fencing`: the node's DeviceTaintRules and what the agent would change (only with --node); else null.
-    `allocation`: the pod-resources map (null when off or unreadable; `allocation_error` says why)."""
+    `allocation`: the pod-resources map (null when off or unreadable; `allocation_error` says why).
+    `multinode`: the rails, the NVLink fabric, the fabric manager and IMEX as read (multinode_json)."""
     amap, why = allocation
     return {
         "status": v.status.value,
@@ -108,6 +125,7 @@ def verdict_json(
         "fencing": fencing.to_json() if fencing is not None else None,
         "allocation": amap.to_json() if amap is not None else None,
         "allocation_error": None if amap is not None else why,
+        "multinode": multinode,
     }
 
 
@@ -197,7 +215,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     fencing = preview_fencing(api, args.node, cfg, v, suite) if api is not None and node is not None else None
     shown = on_node(node, cfg.condition_type, cfg.taint_key) if node is not None else None
     if args.json:
-        print(json.dumps({**verdict_json(v, xids, fencing, allocation_of(suite, obs, cfg)), "node": shown}, indent=2))
+        body = verdict_json(v, xids, fencing, allocation_of(suite, obs, cfg), multinode_json(suite))
+        print(json.dumps({**body, "node": shown}, indent=2))
     else:
         lines = [render_table(v, xids), *(render_on_node(shown) if shown else [])]
         print("\n".join([*lines, *(render_fencing(fencing) if fencing is not None else [])]))
@@ -217,10 +236,12 @@ def cmd_gpus(args: argparse.Namespace) -> int:
         print(f"gpu-ready: cannot read pod-resources at {cfg.pod_resources_socket}: {why}", file=sys.stderr)
         return 2
     v = decide(obs, latched_from(log, time.time()))
+    rails = suite.results.get(Check.INFINIBAND)
+    rail_view = rails.payload if rails is not None and isinstance(rails.payload, RailReport) else None
     if args.json:
-        print(json.dumps(gpus_json(amap, v), indent=2))
+        print(json.dumps(gpus_json(amap, v, rail_view), indent=2))
     else:
-        print(render_gpus(amap, v))
+        print(render_gpus(amap, v, rail_view))
     return 0
 
 

@@ -29,6 +29,9 @@ from agent.probes import (
     device_nodes,
     device_plugin,
     dra,
+    fabric,
+    fabric_manager,
+    imex,
     infiniband,
     nvidia_smi,
     nvml,
@@ -172,6 +175,9 @@ SETTINGS: tuple[Setting, ...] = (
     *clocks.SETTINGS,
     *dcgm.SETTINGS,
     *infiniband.SETTINGS,
+    *fabric.SETTINGS,
+    *fabric_manager.SETTINGS,
+    *imex.SETTINGS,
     *device_plugin.SETTINGS,
     *dra.SETTINGS,
     *podresources.SETTINGS,
@@ -235,6 +241,16 @@ class Config:
     infiniband: bool
     expected_nics: int | None
     ib_min_rate_gbps: float | None
+    ib_rate_peers: bool
+    ib_flap_count: int
+    ib_flap_window: float
+    require_gpu_direct: bool
+    fabric: str
+    fabric_manager: bool
+    fabric_manager_address: str | None
+    imex: bool
+    imex_ctl: str
+    imex_timeout: float
     mig_strategy: str
     replicas: int | None
     plugin_grace: float

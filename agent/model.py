@@ -69,6 +69,7 @@ class Reason(StrEnum):
     GPU_COUNT_MISMATCH = "GPUCountMismatch"
     DEVICE_PLUGIN_UNHEALTHY = "DevicePluginUnhealthy"
     MIG_CONFIG_FAILED = "MigConfigFailed"  # mig-manager's plan failed, is stuck pending, or is not what exists
+    FABRIC_NOT_READY = "FabricNotReady"  # the NVLink fabric is not trained or its manager is down: CUDA cannot start
     GPU_DEGRADED = "GPUDegraded"  # the GPU works but slower or half-usable; below the hard faults
     PREFLIGHT_NOT_PASSED = "PreflightNotPassed"
     CHECK_FAILED = "CheckFailed"
@@ -92,6 +93,9 @@ class Check(StrEnum):
     POD_RESOURCES = "pod_resources"  # kubelet pod-resources (the allocation map; INFO only)
     INFINIBAND = "infiniband"  # the InfiniBand/RoCE rails (agent/probes/infiniband.py)
     MIG_LAYOUT = "mig_layout"  # nvidia.com/mig.config against the MIG instances (agent/mig_config.py)
+    FABRIC = "fabric"  # the NVLink fabric each GPU reports (agent/probes/fabric.py)
+    FABRIC_MANAGER = "fabric_manager"  # the fabric manager on NVSwitch systems (agent/probes/fabric_manager.py)
+    IMEX = "imex"  # the IMEX daemon's readiness, opt-in (agent/probes/imex.py)
 
 
 class Severity(StrEnum):

@@ -123,6 +123,7 @@ class Agent:
         self.state.retry()
         self.obs, stats = self.suite.run(node, node_err)
         self.metrics.observe_cycle(stats, self.suite.allocation, enabled=self.cfg.pod_resources)
+        self.metrics.multinode.publish(self.suite.results)
         self.cycles += 1
         self.last_cycle_mono = self.clock.mono()
         self.metrics.last_cycle.set(self.clock.wall())

@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any
 
-from bench import fleet, footprint, latency, npd_compare, parsing, storm, write_rate
+from bench import fleet, footprint, latency, multinode, npd_compare, parsing, storm, write_rate
 from bench.common import OUT, machine, table
 from testkit.controlplane import ControlPlane
 
@@ -31,6 +31,8 @@ def main() -> None:
         lat = latency.run(cp, a.latency_reps, poll=0.5)
         print("[bench] parsing hostile input ...", flush=True)
         parse = parsing.run()
+        print("[bench] multi-node probes per poll ...", flush=True)
+        mn = multinode.run()
         print("[bench] storm ...", flush=True)
         st = storm.run(cp)
         print("[bench] API write rate ...", flush=True)
@@ -47,7 +49,7 @@ def main() -> None:
     print(
         summary(
             {"latency": lat, "storm": st, "write_rate": wr, "npd_compare": npd, "footprint": fp, "fleet": fl}
-            | {"parsing": parse}
+            | {"parsing": parse, "multinode": mn}
         )
     )
     print(ratios(npd))
@@ -64,6 +66,23 @@ PARSE_ROWS = (
     "kmsg_record_100kb_ms",
     "dcgm_hostile_metrics_ms",
 )
+
+
+def multinode_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """The multi-node probes' cost per poll (bench/multinode.py), when it was run."""
+    m = r.get("multinode")
+    if m is None:
+        return []
+    return [
+        (
+            "multi-node probes per poll: 8 InfiniBand rails (64 sysfs reads) + the NVSwitch scan + the fabric of "
+            "8 GPUs from NVML",
+            f"{m['multinode_per_poll_ms']} ms (rails {m['infiniband_8_rails_ms']}, NVSwitch scan "
+            f"{m['fabric_manager_scan_ms']}, fabric {m['fabric_from_nvml_8_gpus_ms']})",
+            "< 1 ms",
+            "ok" if m["multinode_per_poll_ms"] < 1 else "MISSED",
+        )
+    ]
 
 
 def summary(r: dict[str, Any]) -> str:
@@ -115,6 +134,7 @@ def summary(r: dict[str, Any]) -> str:
             "< 1000 ms each (before lines were cut: 6-20 s)",
             ok(max(r["parsing"][k] for k in PARSE_ROWS) < 1000),
         ),
+        *multinode_rows(r),
         (
             "API writes, steady state",
             f"{wr['steady']['default_writes_per_hour']} condition writes/node/h + "

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import types
+
+from pynvml import c_nvmlGpuFabricInfoV_t
 
 # The releases of simulated hung calls: a hung call blocks, as a stuck driver call does, until its release is set.
 # tests/conftest.py sets every one after each test, so no worker thread outlives its test.
@@ -27,6 +30,10 @@ def fake_nvml(gpus, init_error=None, hang=None):
         NVML_FEATURE_ENABLED=1,
         NVML_NVLINK_MAX_LINKS=18,
         NVML_DEVICE_MIG_ENABLE=1,
+        NVML_ERROR_NOT_SUPPORTED=3,
+        NVML_ERROR_INSUFFICIENT_RESOURCES=23,
+        c_nvmlGpuFabricInfoV_t=c_nvmlGpuFabricInfoV_t,  # the library's own structure, filled as the driver fills it
+        byref=ctypes.byref,
     )
 
     release = threading.Event()
@@ -108,6 +115,20 @@ def fake_nvml(gpus, init_error=None, hang=None):
     call("nvmlDeviceGetUtilizationRates", optional("util", lambda u: types.SimpleNamespace(gpu=u, memory=0)))
     call("nvmlDeviceGetCurrPcieLinkGeneration", lambda h: gpus[h].get("pcie_gen_cur", gpus[h].get("pcie_gen", 5)))
     call("nvmlDeviceGetCurrPcieLinkWidth", lambda h: gpus[h].get("pcie_width_cur", gpus[h].get("pcie_width", 16)))
+
+    def fabric(h, ref):
+        """fabric: {state, status, clique, cluster (16 bytes), health (mask)}; absent: NOT_SUPPORTED;
+        fabric_error: an NVML error code."""
+        if gpus[h].get("fabric_error"):
+            raise FakeNVMLError(gpus[h]["fabric_error"])
+        if "fabric" not in gpus[h]:
+            raise FakeNVMLError(3)
+        f, info = gpus[h]["fabric"], ref._obj
+        info.state, info.status, info.cliqueId = f.get("state", 3), f.get("status", 0), f.get("clique", 0)
+        info.healthMask = f.get("health", 0)
+        ctypes.memmove(info.clusterUuid, bytes(f.get("cluster", bytes(16)))[:16].ljust(16, b"\0"), 16)
+
+    call("nvmlDeviceGetGpuFabricInfoV", fabric)
     call("nvmlShutdown", lambda: None)
     # spec reading
     call("nvmlSystemGetCudaDriverVersion_v2", lambda: 12040)

@@ -16,7 +16,11 @@
   CAP_MKNOD); otherwise each node is a symbolic link to /dev/null, which is a real character device, so
   the probe's "is a character device" check runs unchanged (it follows links, as it must for
   /run/nvidia/driver/dev) without root;
-- `DcgmExporterStandIn`, a dcgm-exporter stand-in serving metric text over HTTP on loopback.
+- `DcgmExporterStandIn`, a dcgm-exporter stand-in serving metric text over HTTP on loopback;
+- the multi-node sources (docs/fabric.md): `nvidia-smi -q` answered with each GPU's Fabric block (`smi_q`, or a
+  captured `-q` through `set_smi_q`; counted apart from the table runs, `smi_q_call_count`), InfiniBand ports with
+  their error counters (`set_ib_port`, `set_ib_counters`) and ConnectX functions beside the GPUs (`add_rail`, with
+  pcie_bridges=True), kernel modules (`load_module`: nvidia_peermem) and the IMEX control tool (`set_imex`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,14 @@ try:
         sc = json.load(fh)
 except Exception as e:
     print(f"stand-in: cannot read scenario: {{e}}", file=sys.stderr); sys.exit(255)
+if sys.argv[1:] == ["-q"]:  # the fabric probe's read: counted apart from the table runs (one per check cycle)
+    if sc.get("q_count_file"):
+        try:
+            n = int(open(sc["q_count_file"]).read() or 0)
+        except (OSError, ValueError):
+            n = 0
+        open(sc["q_count_file"], "w").write(str(n + 1))
+    sys.stdout.write(sc.get("q_output", "")); sys.exit(int(sc.get("q_exit_code", 0)))
 if sc.get("count_file"):
     try:
         n = int(open(sc["count_file"]).read() or 0)
@@ -82,6 +94,11 @@ class SimGpu:
     nvlink_up: int = 18
     nvlink_total: int = 18
     minor: int = 0
+    fabric_state: str = "N/A"  # nvidia-smi -q's Fabric block (N/A: no fabric)
+    fabric_status: str = "N/A"
+    clique_id: int | None = None
+    cluster_uuid: str | None = None
+    fabric_health: tuple[tuple[str, str], ...] = ()
 
     @property
     def uuid(self) -> str:
@@ -126,6 +143,40 @@ def smi_nvlink_status(gpus: list[SimGpu]) -> str:
         for link in range(g.nvlink_total):
             out.append(f"\t Link {link}: " + ("26.562 GB/s" if link < g.nvlink_up else "<inactive>"))
     return "\n".join(out) + "\n"
+
+
+def smi_q(gpus: list[SimGpu], driver: str = "550.90.07") -> str:
+    """`nvidia-smi -q` for the given GPUs: the banner, and per GPU its heading, a few identity lines and the Fabric
+    block, in the layout of the 535-era captures in tests/fixtures (smi-q-535.161.08-gpud-fixture.txt; the CliqueId,
+    ClusterUUID and Health lines as the 560/590 captures print them). Constructed, not captured."""
+    shown = [g for g in gpus if g.in_smi]
+    out = [
+        "",
+        "==============NVSMI LOG==============",
+        "",
+        "Timestamp                                 : Mon Jan 20 10:18:26 2025",
+        f"Driver Version                            : {driver}",
+        "CUDA Version                              : 12.4",
+        "",
+        f"Attached GPUs                             : {len(shown)}",
+    ]
+    for g in shown:
+        out += [
+            f"GPU {g.address.nvml}",
+            f"    Product Name                          : {g.name}",
+            f"    GPU UUID                              : {g.uuid}",
+            f"    Minor Number                          : {g.minor}",
+            "    Fabric",
+            f"        State                             : {g.fabric_state}",
+            f"        Status                            : {g.fabric_status}",
+            f"        CliqueId                          : {'N/A' if g.clique_id is None else g.clique_id}",
+            f"        ClusterUUID                       : {g.cluster_uuid or 'N/A'}",
+            "        Health",
+            *(f"            {k:<30}: {v}" for k, v in (g.fabric_health or (("Bandwidth", "N/A"),))),
+            "    Processes                             : None",
+            "",
+        ]
+    return "\n".join(out)
 
 
 def smi_list(gpus: list[SimGpu]) -> str:
@@ -219,6 +270,10 @@ class SimHost:
         self.nvidia_smi = self.bin / "nvidia-smi"
         self.scenario = self.root / "smi" / "scenario.json"
         self.smi_calls = self.root / "smi" / "calls"
+        self.smi_q_calls = self.root / "smi" / "q_calls"
+        self.imex_ctl = self.root / "bin" / "nvidia-imex-ctl"
+        self.imex_state = self.root / "imex" / "state"
+        self.q_fixture: str | None = None  # a captured `nvidia-smi -q` the stand-in prints instead of smi_q
         self.kmsg = self.root / "kmsg"
         self.boot_id_file = self.root / "boot_id"
         self.state_dir = self.root / "state"
@@ -391,16 +446,112 @@ class SimHost:
         state: str = "4: ACTIVE",
         phys_state: str = "5: LinkUp",
         rate: str | None = "400 Gb/sec (4X NDR)",
+        link_layer: str | None = "InfiniBand",
     ) -> Path:
         """An InfiniBand port under <sysfs>/class/infiniband, in the kernel's formats
-        (Documentation/ABI/stable/sysfs-class-infiniband)."""
+        (Documentation/ABI/stable/sysfs-class-infiniband); its error counters start at 0 the first time (a later
+        call changes the state and keeps them, as a link going down does)."""
         d = self.sysfs / "class" / "infiniband" / device / "ports" / str(port)
         d.mkdir(parents=True, exist_ok=True)
         (d / "state").write_text(state + "\n")
         (d / "phys_state").write_text(phys_state + "\n")
         if rate is not None:
             (d / "rate").write_text(rate + "\n")
+        if link_layer is not None:
+            (d / "link_layer").write_text(link_layer + "\n")
+        if not (d / "counters").exists():
+            self.set_ib_counters(device, port, link_downed=0, symbol_error=0, port_rcv_errors=0, link_error_recovery=0)
         return d
+
+    def add_rail(self, device: str, gpu: int | None = None, port: int = 1, **port_fields: Any) -> Path:
+        """An InfiniBand device whose PCI function (a ConnectX, 15b3:1021) sits beside GPU `gpu` (under the same
+        upstream bridge: needs pcie_bridges=True), or on its own root port with gpu None, with one port."""
+        n = (
+            len(list((self.sysfs / "class" / "infiniband").glob("*")))
+            if (self.sysfs / "class" / "infiniband").exists()
+            else 0
+        )
+        if gpu is not None:
+            parent = Path(os.path.realpath(self.devices / self.sysfs_name(self.gpus[gpu].address))).parent
+            bus = 0x80 + n
+        else:
+            parent, bus = self.pci_root(0), 0xE0 + n
+        fn = self.add_pci_function(
+            PciAddress(0, bus, 0), 0, 0x020700, 0x1021, vendor=0x15B3, driver="mlx5_core", parent=parent
+        )
+        d = self.sysfs / "class" / "infiniband" / device
+        d.mkdir(parents=True, exist_ok=True)
+        link = d / "device"
+        if link.is_symlink():
+            link.unlink()
+        link.symlink_to(os.path.relpath(fn, d))
+        return self.set_ib_port(device, port, **port_fields)
+
+    def set_ib_counters(self, device: str, port: int = 1, **counters: int | str) -> None:
+        """The port's error counters (`link_downed=3`): one decimal number per file, as the kernel writes them."""
+        d = self.sysfs / "class" / "infiniband" / device / "ports" / str(port) / "counters"
+        d.mkdir(parents=True, exist_ok=True)
+        for name, value in counters.items():
+            (d / name).write_text(f"{value}\n")
+
+    def load_module(self, name: str, loaded: bool = True) -> None:
+        """A kernel module as /sys/module/<name> shows a loaded one (nvidia_peermem)."""
+        d = self.sysfs / "module" / name
+        if loaded:
+            d.mkdir(parents=True, exist_ok=True)
+        elif d.exists():
+            d.rmdir()
+
+    def set_fabric(
+        self,
+        state: str = "Completed",
+        status: str = "Success",
+        clique_id: int | None = 0,
+        cluster_uuid: str | None = None,
+        health: tuple[tuple[str, str], ...] = (),
+        gpus: tuple[int, ...] | None = None,
+    ) -> None:
+        """The Fabric block nvidia-smi -q shows for the given GPU positions (all by default)."""
+        for i, g in enumerate(self.gpus):
+            if gpus is None or i in gpus:
+                g.fabric_state, g.fabric_status, g.clique_id = state, status, clique_id
+                g.cluster_uuid, g.fabric_health = cluster_uuid, health
+        self._rewrite(q_output=self.q_fixture if self.q_fixture is not None else smi_q(self.gpus))
+
+    def set_smi_q(self, fixture: str | Path | None = None, exit_code: int = 0) -> None:
+        """A captured `nvidia-smi -q` for the fabric read (None: back to the generated one), and its exit code."""
+        self.q_fixture = None if fixture is None else Path(fixture).read_text(encoding="utf-8", errors="replace")
+        self._rewrite(
+            q_output=self.q_fixture if self.q_fixture is not None else smi_q(self.gpus), q_exit_code=exit_code
+        )
+
+    def _rewrite(self, **fields: Any) -> None:
+        sc = json.loads(self.scenario.read_text())
+        sc.update(fields)
+        tmp = self.scenario.with_suffix(".tmp")
+        tmp.write_text(json.dumps(sc))
+        os.replace(tmp, self.scenario)
+
+    def set_imex(self, state: str | None = "READY", exit_code: int = 0) -> Path:
+        """The IMEX control tool stand-in: `-q` prints `state` (first line) and exits `exit_code`; state None
+        removes the tool."""
+        if state is None:
+            self.imex_ctl.unlink(missing_ok=True)
+            return self.imex_ctl
+        self.imex_state.parent.mkdir(parents=True, exist_ok=True)
+        self.imex_state.write_text(json.dumps({"output": state + "\n", "exit_code": exit_code}))
+        self.imex_ctl.write_text(
+            f"#!{sys.executable}\nimport json, sys\nsc = json.load(open({str(self.imex_state)!r}))\n"
+            "sys.stdout.write(sc['output']); sys.exit(sc['exit_code'])\n"
+        )
+        self.imex_ctl.chmod(0o755)
+        return self.imex_ctl
+
+    def smi_q_call_count(self) -> int:
+        try:
+            return int(self.smi_q_calls.read_text() or 0)
+        except (OSError, ValueError):
+            return 0
 
     # -- nvidia-smi ------------------------------------------------------------------------------------
 
@@ -440,6 +591,8 @@ class SimHost:
             "query_output": smi_query_csv(self.gpus),
             "nvlink_output": smi_nvlink_status(self.gpus),
             "list_output": smi_list(self.gpus),
+            "q_output": self.q_fixture if self.q_fixture is not None else smi_q(self.gpus),
+            "q_count_file": str(self.smi_q_calls),
         }
         tmp = self.scenario.with_suffix(".tmp")
         tmp.write_text(json.dumps(sc))

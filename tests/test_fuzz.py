@@ -30,6 +30,8 @@ from agent.kernel_log.xid import KernelLogParser
 from agent.model import PciAddress, Severity
 from agent.preflight import FAIL, Profile, ProfileError, read_results
 from agent.probes.device_plugin import plugin_counts, plugin_findings
+from agent.probes.fabric import MAX_GPUS as FABRIC_MAX_GPUS
+from agent.probes.fabric import fabric_findings, parse_smi_q
 from agent.probes.nvidia_smi import MAX_LINE as SMI_LINE
 from agent.probes.nvidia_smi import parse_smi_table, smi_findings
 from agent.settings import INT_LIMIT, in_range, to_float, to_int, to_int_list
@@ -159,6 +161,20 @@ def test_smi_parser(text: str, rc: int) -> None:
         assert any(f.severity is Severity.FAULT for f in findings)
 
 
+# -- nvidia-smi -q: the Fabric blocks ------------------------------------------------------------------------------
+
+
+@budget(150)
+@given(smi_text)
+def test_smi_q_fabric_parser(text: str) -> None:
+    infos = parse_smi_q(text)
+    assert len(infos) <= FABRIC_MAX_GPUS
+    for addr, info in infos.items():
+        assert info.gpu == addr and len(info.state) <= 200 and len(info.status) <= 200
+    for f in fabric_findings(infos.values()):  # every finding names one of the GPUs read
+        assert f.gpu in infos and f.severity is Severity.FAULT
+
+
 # -- kernel log: record parser, file reader, Xid parser ----------------------------------------------------------
 
 
@@ -284,7 +300,11 @@ def test_check_cli(host: SimHost, node: Any, smi: str, rc: int) -> None:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli_main(["check", *host.check_args(), "--json", "--node-json", str(node_path)])
     runs = (host.root / "runs").read_text().splitlines()
-    assert len(runs) <= 1, runs  # one nvidia-smi run at most (none when the Node JSON is refused): no retry loop
+    # One table run at most (none when the Node JSON is refused) and at most one `-q` for the NVLink fabric (NVML is
+    # off here; only after a table that listed GPUs): no retry loop.
+    assert runs.count("") <= 1 and runs.count("-q") <= 1 and set(runs) <= {"", "-q"}, runs
+    if "-q" in runs:
+        assert runs.index("-q") == 1 and parse_smi_table(smi).gpus, runs
     assert code in (0, 1, 2, 3) and "Traceback" not in out.getvalue() + err.getvalue()
     if not out.getvalue().strip():  # refused as bad input: one line, exit 2
         assert code == 2 and len(err.getvalue().strip().splitlines()) == 1

@@ -129,3 +129,25 @@ def test_check_json_has_the_allocation_section(simhost, kubelet):
     gone = json.loads(r.stdout)
     assert gone["allocation"] is None and sock + ".gone" in gone["allocation_error"]
     assert gone["status"] == "True"  # an unreadable socket never changes readiness
+
+
+def test_a_gpu_whose_rail_is_down(tmp_path, kubelet):
+    """An HGX layout: each GPU below its own PCIe port with a ConnectX beside it; the rail of GPU 3 is down."""
+    from testkit.simhost import SimHost
+
+    host = SimHost(tmp_path / "hgx", pcie_bridges=True)
+    for i in range(8):
+        host.add_rail(f"mlx5_{i}", gpu=i)
+    host.set_ib_port("mlx5_3", state="1: DOWN", phys_state="3: Disabled")
+    sock, k = kubelet
+    gpus = serve_layout(host, k)
+    r = run(host, "gpus", "--pod-resources-socket", sock)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == [*HEADER.split()[:-1], "RAIL", "PODS"]
+    rows = {line.split()[1]: line.split() for line in lines[1 : 1 + len(gpus)]}
+    assert rows[gpus[3][0].nvml][8:10] == ["mlx5_3", "DOWN"]
+    assert rows[gpus[0][0].nvml][8:10] == ["mlx5_0", "ml/train-0"]
+    out = json.loads(run(host, "gpus", "--json", "--pod-resources-socket", sock).stdout)
+    assert [g["rail"] for g in out["gpus"]][2:5] == ["mlx5_2", "mlx5_3 DOWN", "mlx5_4"]
+    print("\n" + r.stdout)

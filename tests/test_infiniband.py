@@ -9,7 +9,8 @@ from agent import config
 from agent.checks import CheckSuite
 from agent.model import Check, Reason, Severity, Status
 from agent.probes.base import ProbeContext
-from agent.probes.infiniband import InfinibandProbe
+from agent.probes.infiniband import FlapThresholds, IbThresholds, InfinibandProbe, RailReport
+from agent.probes.pci import PciProbe
 from agent.verdict import decide
 from testkit.harness import wait_for
 from testkit.simhost import SimHost
@@ -101,3 +102,156 @@ def test_the_agent_reports_a_rail_down_within_one_poll(admin, agent_factory, sim
     simhost.set_ib_port("mlx5_6", state="1: DOWN", phys_state="3: Disabled")
     a.wait_status(admin, "False", "GPUDegraded")
     wait_for(lambda: "mlx5_6 port 1 is DOWN" in a.gpu_ready(admin)["message"], 10, what="the rail named")
+
+
+# -- rails beside GPUs, counters, flaps, peer rate, GPUDirect ---------------------------------------------------
+
+
+def hgx(tmp_path) -> SimHost:
+    """An HGX H100 host: 8 GPUs each below its own PCIe port, a ConnectX rail beside each (400 Gb/s NDR), and the
+    4 NVSwitches the simulated host always has."""
+    host = SimHost(tmp_path / "hgx", pcie_bridges=True)
+    for i in range(8):
+        host.add_rail(f"mlx5_{i}", gpu=i)
+    return host
+
+
+def full(host: SimHost, **kw) -> InfinibandProbe:
+    t = IbThresholds(**({"flaps": FlapThresholds(3, 600.0)} | kw))
+    return InfinibandProbe(str(host.sysfs), thresholds=t)
+
+
+def ctx_at(now: float, host: SimHost | None = None) -> ProbeContext:
+    c = ProbeContext(now=now)
+    if host is not None:  # the GPUs the PCI probe found, as the suite hands them on
+        c.results[Check.PCI] = PciProbe(str(host.sysfs)).read(c)
+    return c
+
+
+def test_healthy_hgx_rails_map_each_gpu_to_its_nic(tmp_path):
+    host = hgx(tmp_path)
+    r = full(host, expected_nics=8).read(ctx_at(0, host))
+    assert r.ran and r.findings == ()
+    report = r.payload
+    assert isinstance(report, RailReport)
+    assert report.gpu_rails == {g.address: f"mlx5_{i}" for i, g in enumerate(host.gpus)}
+    assert report.rail_of(host.gpus[3].address) == "mlx5_3"
+    port = report.to_json()["ports"][0]
+    assert port["counters"] == {"link_downed": 0, "symbol_error": 0, "port_rcv_errors": 0, "link_error_recovery": 0}
+    assert port["link_layer"] == "InfiniBand" and port["rate_gbps"] == 400.0
+
+
+def test_a_rail_down_is_shown_against_its_gpu(tmp_path):
+    host = hgx(tmp_path)
+    host.set_ib_port("mlx5_3", state="1: DOWN", phys_state="3: Disabled")
+    r = full(host).read(ctx_at(0, host))
+    assert [f.kind for f in r.findings] == ["rail_down"]
+    assert r.payload.rail_of(host.gpus[3].address) == "mlx5_3 DOWN"
+    assert r.payload.rail_of(host.gpus[2].address) == "mlx5_2"
+
+
+def test_a_rail_at_half_rate_against_the_other_rails(tmp_path):
+    host = hgx(tmp_path)
+    host.set_ib_port("mlx5_5", rate="200 Gb/sec (4X HDR)")
+    (f,) = full(host).read(ctx_at(0)).findings
+    assert (f.kind, f.reason) == ("rail_slow", Reason.GPU_DEGRADED)
+    assert f.message == "InfiniBand rail mlx5_5 port 1 at 200 Gb/s, below 400 Gb/s (the node's other rails)"
+    assert full(host, rate_peers=False).read(ctx_at(0)).findings == ()  # off: only ibMinRateGbps judges
+    host.set_ib_port("mlx5_6", rate="100 Gb/sec (4X EDR)", link_layer="Ethernet")  # a RoCE port: its own layer
+    assert [f.message.split()[2] for f in full(host).read(ctx_at(0)).findings] == ["mlx5_5"]
+
+
+def test_a_flapping_rail_counters_moving_between_polls(tmp_path):
+    host = hgx(tmp_path)
+    p = full(host)
+    assert p.read(ctx_at(0)).findings == ()  # the first read is the baseline (the counters count since boot)
+    host.set_ib_counters("mlx5_2", link_downed=2)
+    r = p.read(ctx_at(30))
+    assert r.findings == () and r.payload.flaps[("mlx5_2", "1")] == 2  # below the threshold of 3
+    host.set_ib_counters("mlx5_2", link_downed=3)
+    (f,) = p.read(ctx_at(60)).findings
+    assert (f.kind, f.reason) == ("rail_flapping", Reason.GPU_DEGRADED)
+    assert f.message == "InfiniBand rail mlx5_2 port 1 flapping: down 3 times in 600 s (threshold 3)"
+    assert p.read(ctx_at(629)).findings != ()  # the first two downs are 599 s old: still in the window
+    assert p.read(ctx_at(631)).findings == ()  # they left the window: one down remains
+
+
+def test_flaps_seen_as_state_changes_and_a_counter_reset_is_a_new_baseline(tmp_path):
+    host = hgx(tmp_path)
+    for name in ("link_downed",):
+        (host.sysfs / "class" / "infiniband" / "mlx5_1" / "ports" / "1" / "counters" / name).unlink()
+    p = full(host, flaps=FlapThresholds(2, 600.0))
+    p.read(ctx_at(0))
+    for t in (10, 30):
+        host.set_ib_port("mlx5_1", state="1: DOWN", phys_state="2: Polling")
+        p.read(ctx_at(t))
+        host.set_ib_port("mlx5_1")
+        r = p.read(ctx_at(t + 10))
+    assert [f.kind for f in r.findings] == ["rail_flapping"]  # two downs seen, no counter to read
+    host.set_ib_counters("mlx5_4", link_downed=5)
+    assert p.read(ctx_at(50)).payload.flaps[("mlx5_4", "1")] == 5
+    host.set_ib_counters("mlx5_4", link_downed=0)  # the driver was reloaded: the counter starts again
+    assert p.read(ctx_at(60)).payload.flaps[("mlx5_4", "1")] == 5  # a lower reading is no down
+    host.set_ib_counters("mlx5_4", link_downed=1)
+    assert p.read(ctx_at(70)).payload.flaps[("mlx5_4", "1")] == 6  # counted from the new baseline
+    assert full(host).read(ctx_at(80)).payload.flaps[("mlx5_4", "1")] == 0  # a new probe: baseline only
+
+
+def test_gpudirect_required_and_missing(tmp_path):
+    host = hgx(tmp_path)
+    assert full(host).read(ctx_at(0)).findings == ()  # not required: not looked at
+    (f,) = full(host, require_gpudirect=True).read(ctx_at(0)).findings
+    assert (f.kind, f.message) == ("gpudirect_missing", "GPUDirect RDMA missing: no nvidia_peermem module loaded")
+    host.load_module("nvidia_peermem")
+    r = full(host, require_gpudirect=True).read(ctx_at(0))
+    assert r.findings == () and r.payload.gpudirect is True
+
+
+def test_a_counter_that_does_not_read_is_reported_and_the_state_still_judges(tmp_path):
+    host = hgx(tmp_path)
+    host.set_ib_counters("mlx5_7", symbol_error="lots")
+    link_downed = host.sysfs / "class" / "infiniband" / "mlx5_6" / "ports" / "1" / "counters" / "link_downed"
+    link_downed.unlink()
+    link_downed.mkdir()  # there, but does not read (EISDIR, for root too), as a driver refusing a counter
+    p = full(host, flaps=FlapThresholds(1, 600.0))
+    r = p.read(ctx_at(0))
+    assert r.ran and [(f.severity, f.kind) for f in r.findings] == [(Severity.INFO, "counters_unreadable")] * 2
+    assert "symbol_error" in r.findings[1].message and "is not a number" in r.findings[1].message
+    assert "symbol_error" not in r.payload.ports[7].counters and r.payload.ports[7].counters["link_downed"] == 0
+    host.set_ib_port("mlx5_6", state="1: DOWN", phys_state="2: Polling")
+    kinds = [f.kind for f in p.read(ctx_at(10)).findings if f.severity is Severity.FAULT]
+    assert kinds == ["rail_down", "rail_flapping"]  # the down seen from the state, without its counter
+
+
+def test_the_rail_metrics_per_device_and_port(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from agent.report.multinode_metrics import MultinodeMetrics
+
+    host = hgx(tmp_path)
+    host.set_ib_port("mlx5_0", state="1: DOWN", phys_state="3: Disabled")
+    host.set_ib_counters("mlx5_1", symbol_error=12)
+    reg = CollectorRegistry()
+    m = MultinodeMetrics(reg)
+    m.publish({Check.INFINIBAND: full(host).read(ctx_at(0))})
+    text = generate_latest(reg).decode()
+    assert 'gpu_ready_ib_port_up{device="mlx5_0",port="1"} 0.0' in text
+    assert 'gpu_ready_ib_port_up{device="mlx5_1",port="1"} 1.0' in text
+    assert 'gpu_ready_ib_port_rate_gbps{device="mlx5_1",port="1"} 400.0' in text
+    assert 'gpu_ready_ib_port_errors_total{counter="symbol_error",device="mlx5_1",port="1"} 12.0' in text
+    assert text.count("gpu_ready_ib_port_up{") == 8
+
+
+@pytest.mark.apiserver
+def test_the_agent_reports_a_flapping_rail_and_its_metrics(admin, agent_factory, simhost):
+    rails(simhost)
+    a = agent_factory(extra={"--poll-interval": "0.5"})
+    a.wait_status(admin, "True")
+    wait_for(lambda: a.metric("gpu_ready_ib_port_up") == 8, 20, what="8 ports up in the metrics")
+    for n in (1, 2, 3):  # three link downs, each seen on a later poll than the one before
+        before = simhost.smi_call_count()
+        simhost.set_ib_counters("mlx5_4", link_downed=n)
+        wait_for(lambda b=before: simhost.smi_call_count() >= b + 2, 20, what="a poll after the counter moved")
+    a.wait_status(admin, "False", "GPUDegraded")
+    wait_for(lambda: "mlx5_4 port 1 flapping" in a.gpu_ready(admin)["message"], 10, what="the rail named")
+    assert a.metric("gpu_ready_ib_port_flaps", {"device": "mlx5_4"}) == 3

@@ -267,6 +267,36 @@ def test_default_install_rolls_out_and_reports_true(env: Env, tmp_path_factory: 
     print(f"\n[real node] image {env.extra['image_mb']:.0f} MB; helm install -> GPUReady=True in {took:.1f} s")
 
 
+def test_rail_down_reaches_the_condition_within_one_poll(env: Env) -> None:
+    """Eight InfiniBand rails appear in the simulated host's sysfs (mounted into the pod as a user's host directory
+    is); one goes down: the agent in the pod names it in the condition by the poll after the one in flight."""
+    assert env.sim is not None
+    ib = env.sim.sysfs / "class" / "infiniband"
+    try:
+        for i in range(8):
+            env.sim.set_ib_port(f"mlx5_{i}")
+        start = env.sim.smi_call_count()
+        wait_for(lambda: env.sim is not None and env.sim.smi_call_count() >= start + 2, 120, 0.2, "two polls")
+        assert "InfiniBand" not in (env.gpu_ready() or {}).get("message", "")
+        before = env.sim.smi_call_count()
+        t0 = time.monotonic()
+        env.sim.set_ib_port("mlx5_5", state="1: DOWN", phys_state="3: Disabled")
+        label = "InfiniBand rail mlx5_5 port 1 is DOWN (Disabled)"
+        try:
+            c = wait_for(lambda: (c := env.gpu_ready()) and label in c["message"] and c, 120, 0.1, label)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{env.diag()}") from None
+        TIMES["rail down -> named in GPUReady s"] = time.monotonic() - t0
+        polls = env.sim.smi_call_count() - before
+        assert c["status"] == "False" and polls <= 2, (polls, c)  # the poll in flight, then the one that saw it
+        print(f"\n[real node] rail down -> named in the condition after {polls} poll(s), {c['reason']}")
+    finally:
+        shutil.rmtree(ib, ignore_errors=True)
+    # Leave the Node True, as found: a restarted agent holds its first write when it would not change the status
+    # the Node shows (start spread), which would slow the next test's Xid.
+    wait_for(lambda: (c := env.gpu_ready()) and c["status"] == "True", 240, 0.5, "GPUReady back to True")
+
+
 def _xid_label(env: Env, gpu: int, xid: int = 79) -> str:
     assert env.sim is not None
     return f"GPU {gpu} ({env.sim.gpus[gpu].address.nvml}): Xid {xid}"

@@ -6,8 +6,9 @@ NVLink. Every call runs in a worker thread under a deadline; a call that never r
 and no further NVML call starts while it is stuck.
 
 For the degradation probes (docs/degradation.md) it also reads, when asked, each GPU's PCIe load (utilisation and
-link generation, probes/pcie.py), one clock-event sample (probes/clocks.py) and its UUID (to map
-dcgm-exporter series): the readings ride on the snapshot, the judging is done by those probes."""
+link generation, probes/pcie.py), one clock-event sample (probes/clocks.py), its UUID (to map
+dcgm-exporter series) and its NVLink fabric (probes/fabric.py): the readings ride on the snapshot, the judging is
+done by those probes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult, Reason
 from agent.probes.base import ProbeContext
 from agent.probes.clocks import ClockSample, nvml_clock_sample
+from agent.probes.fabric import FabricInfo, nvml_fabric
 from agent.probes.pcie import GpuLoad, nvml_pcie_load
 from agent.settings import Setting, choice, positive, to_bool, to_float
 
@@ -54,6 +56,8 @@ class NvmlGpu:
     uuid: str | None = None  # read when the probe was asked for UUIDs
     # (MIG handle index, "MIG-..." UUID) per MIG device, read with the UUIDs (the pod-resources allocation map)
     mig_uuids: list[tuple[int, str]] = field(default_factory=list)
+    fabric: FabricInfo | None = None  # read when the probe was asked for the NVLink fabric
+    fabric_error: str | None = None  # why the fabric could not be read
 
 
 @dataclass
@@ -80,6 +84,7 @@ class NvmlProbe:
         self.deadline_s = deadline_s
         self.check_nvlink = check_nvlink
         self.read_load, self.read_clocks, self.read_uuids = pcie_load, clock_events, uuids
+        self.read_fabric = False
         self.snapshot: NvmlSnapshot | None = None  # the last probe()'s readings
         self._nvml = nvml
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
@@ -262,6 +267,11 @@ class NvmlProbe:
                 gpu.uuid = _text(self._call(get_uuid, h))
             except nv.NVMLError:
                 gpu.uuid = None
+        if self.read_fabric and gpu.address is not None:
+            try:
+                gpu.fabric = self._call(nvml_fabric, nv, h, gpu.address)
+            except nv.NVMLError as e:
+                gpu.fabric_error = str(e)[:200]
 
     def _nvlink(self, nv: Any, h: Any, gpu: NvmlGpu, addr: PciAddress | None) -> list[Finding]:
         for link in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)):

@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from agent.allocation import AllocationMap, GpuAllocation, PodRef
 from agent.model import GpuStatus, PciAddress, Status, Verdict
+from agent.probes.infiniband import RailReport as RailView
 
 EVENT_REASON = "GPUUnhealthy"
 EVENTS_PER_CYCLE = 50  # blast-radius Events queued per publish at most; the rest are counted, not written
@@ -230,16 +231,22 @@ def summary_line(amap: AllocationMap) -> str:
     )
 
 
-def render_gpus(amap: AllocationMap, v: Verdict | None = None) -> str:
-    """The `gpu-ready gpus` table: one row per physical GPU, then the summary line."""
+RAIL_WIDTH = 14
+
+
+def render_gpus(amap: AllocationMap, v: Verdict | None = None, rails: RailView | None = None) -> str:
+    """The `gpu-ready gpus` table: one row per physical GPU, then the summary line. With `rails` (the InfiniBand
+    probe's report, on a node that has rails) a RAIL column names each GPU's NIC, `DOWN` after a rail that is."""
     health = {a: g for g in (v.gpus if v else ()) if (a := _address(g)) is not None}
-    out = [HEADER]
+    with_rail = rails is not None and bool(rails.gpu_rails)
+    out = [HEADER.replace(" PODS", f" {'RAIL':<{RAIL_WIDTH}} PODS") if with_rail else HEADER]
     for g in amap.gpus:
         idx = "-" if g.index is None else str(g.index)
         bus = g.gpu.nvml if g.gpu is not None else "-"
+        rail = f"{rails.rail_of(g.gpu):<{RAIL_WIDTH}} " if with_rail and rails is not None else ""
         out.append(
             f"{idx:<6} {bus:<17} {short_uuid(g.uuid):<13} {g.sharing:<9} {g.slots:>5} {g.allocated:>4} "
-            f"{g.state:<8} {_health(g, health):<9} {pods_cell(g)}"
+            f"{g.state:<8} {_health(g, health):<9} {rail}{pods_cell(g)}"
         )
     if not amap.gpus:
         out.append("(no GPUs in the pod-resources view)")
@@ -249,9 +256,9 @@ def render_gpus(amap: AllocationMap, v: Verdict | None = None) -> str:
     return "\n".join(out)
 
 
-def gpus_json(amap: AllocationMap, v: Verdict | None = None) -> dict[str, Any]:
+def gpus_json(amap: AllocationMap, v: Verdict | None = None, rails: RailView | None = None) -> dict[str, Any]:
     health = {a: g for g in (v.gpus if v else ()) if (a := _address(g)) is not None}
-    return {
+    out = {
         "gpus": [
             {
                 "index": g.index,
@@ -262,6 +269,7 @@ def gpus_json(amap: AllocationMap, v: Verdict | None = None) -> dict[str, Any]:
                 "allocated": g.allocated,
                 "state": g.state,
                 "health": _health(g, health),
+                **({"rail": rails.rail_of(g.gpu)} if rails is not None and rails.gpu_rails else {}),
                 "pods": pod_names(g),
             }
             for g in amap.gpus
@@ -275,3 +283,4 @@ def gpus_json(amap: AllocationMap, v: Verdict | None = None) -> dict[str, Any]:
         },
         "allocation": amap.to_json(),
     }
+    return out

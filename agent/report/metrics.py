@@ -21,6 +21,7 @@ from prometheus_client import (
 from agent import __version__
 from agent.model import TAINT_EFFECTS, Check, PciAddress, Reason, Status, Verdict, XidEvent
 from agent.report.blast_radius import AllocationMetrics
+from agent.report.multinode_metrics import MultinodeMetrics
 
 disable_created_metrics()  # *_created series double the series count and nothing here uses them
 
@@ -147,6 +148,7 @@ class Metrics:
         # gpu_ready_gpu_{slots,allocated_slots,pods,fenced}{pci_bus_id}, free whole GPUs, packing ratio, ... from
         # pod-resources (docs/allocation.md); absent while podResources is off
         self.allocation = AllocationMetrics(r)
+        self.multinode = MultinodeMetrics(r)
         for c in CHECKS:
             self.check_failures.labels(c)
         self.smi_timeouts.inc(0)

@@ -1,0 +1,67 @@
+"""IMEX (NVL72-class systems, opt-in with `imex`): the readiness of the node's IMEX daemon, which shares GPU memory
+across the nodes of one NVLink domain, as its control tool reports it: `nvidia-imex-ctl -q` prints the local daemon's
+state on its first line (READY when the daemon has joined its domain).
+
+Idle is not a fault: on Kubernetes the IMEX daemon runs only while a workload's compute domain is placed on the node
+(NVIDIA's DRA driver starts it per ComputeDomain), so a daemon that is not running, or a tool that cannot reach
+one (a non-zero exit), is reported as idle (info), never as a fault. Judged:
+- a daemon that answers with a state other than READY: GPUDegraded (`imex_not_ready`), naming the state: the
+  node's GPUs work, multi-node memory sharing over NVLink does not;
+- the tool missing, hung, or printing nothing: could not check.
+The tool runs under the same supervision as nvidia-smi (hard timeout, output cap, nothing left behind)."""
+
+from __future__ import annotations
+
+import re
+
+from agent.model import Check, Finding, ProbeResult, Reason
+from agent.probes.base import ProbeContext
+from agent.proc import SupervisedRunner
+from agent.settings import Setting, positive, to_bool, to_float, to_str
+
+_STATE = re.compile(r"^\s*([A-Z][A-Z_]{1,31})\s*$")
+READY = "READY"
+
+
+class ImexProbe:
+    check = Check.IMEX
+
+    def __init__(self, ctl: str, timeout_s: float) -> None:
+        self.runner = SupervisedRunner(ctl, timeout_s, max_output_bytes=64 << 10)
+
+    def read(self, context: ProbeContext) -> ProbeResult:
+        run = self.runner.run(("-q",))
+        if run.error is not None or run.timed_out or run.output_capped:
+            why = run.error or ("timed out" if run.timed_out else "output too long")
+            return ProbeResult.of(Check.IMEX, (Finding.unchecked(Check.IMEX, f"IMEX: {self.runner.name}: {why}"),))
+        first = next((line for line in run.output.splitlines() if line.strip()), "")[:200]
+        if run.exit_code != 0:
+            return ProbeResult.of(
+                Check.IMEX,
+                (Finding.info(Check.IMEX, f"IMEX daemon idle (not running here): {first.strip()}", kind="imex_idle"),),
+                payload={"state": "idle"},
+            )
+        m = _STATE.match(first)
+        if m is None:
+            return ProbeResult.of(
+                Check.IMEX,
+                (Finding.unchecked(Check.IMEX, f"IMEX: {self.runner.name} -q printed {first[:60]!r}, not a state"),),
+            )
+        if m[1] != READY:
+            return ProbeResult.of(
+                Check.IMEX,
+                (
+                    Finding.fault(
+                        Check.IMEX, Reason.GPU_DEGRADED, f"IMEX daemon not ready: {m[1]}", kind="imex_not_ready"
+                    ),
+                ),
+                payload={"state": m[1]},
+            )
+        return ProbeResult.of(Check.IMEX, payload={"state": READY})
+
+
+SETTINGS = (
+    Setting("imex", to_bool, False, "judge the IMEX daemon's readiness (NVL72-class systems; idle is not a fault)"),
+    Setting("imex_ctl", to_str, "nvidia-imex-ctl", "the IMEX control tool (run as `<imexCtl> -q` each poll)"),
+    Setting("imex_timeout", positive(to_float, 3600), 10.0, "seconds one IMEX query may take"),
+)
