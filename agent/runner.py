@@ -34,7 +34,7 @@ from agent.shutdown import on_stop_signals, wait_for_signal
 from agent.state import LatchState, read_boot_id
 
 # A kernel-log link change brings the next cycle forward to at most this long after the last one: a flapping
-# link costs at most two extra cycles a second, and a rail's change is judged within a second of its record.
+# link costs at most two extra cycles a second, and a rail's change is judged on the cycle its record starts.
 LINK_CYCLE_GAP_S = 0.5
 
 
