@@ -33,6 +33,10 @@ from agent.report.metrics import Metrics
 from agent.shutdown import on_stop_signals, wait_for_signal
 from agent.state import LatchState, read_boot_id
 
+# A kernel-log link change brings the next cycle forward to at most this long after the last one: a flapping
+# link costs at most two extra cycles a second, and a rail's change is judged on the cycle its record starts.
+LINK_CYCLE_GAP_S = 0.5
+
 
 class Agent:
     def __init__(
@@ -56,7 +60,9 @@ class Agent:
             cfg, clock=clock.mono, api=self.api, kernel_log=lambda: self.kmsg.problem, latch_store=self._unsaved
         )
         parser = KernelLogParser(XidClassifier(cfg.xid_fatal, cfg.xid_ignore, cfg.unknown_xid_fatal))
-        ingest = KernelLogIngest(parser, self.state, m, rate=self.suite.xid_rate, clock=clock.mono)
+        ingest = KernelLogIngest(
+            parser, self.state, m, rate=self.suite.xid_rate, clock=clock.mono, links=cfg.infiniband
+        )
         self.kmsg = KmsgWatcher(KmsgSource(cfg.kmsg, cfg.kmsg_trust_user), ingest, m, self.wake.set, cfg.poll_interval)
         self.publisher = Publisher(cfg, self.api, m, clock, self.log, self.rng, self.wake.set)
         self.standing = Standing(cfg, self.state, clock, self.log, self.publisher.record)
@@ -176,6 +182,8 @@ class Agent:
         next_poll = self.clock.mono()
         while not self.stop.is_set():
             try:
+                if self.kmsg.take_link_change():  # the rails are read on a cycle now, not at the next poll
+                    next_poll = min(next_poll, (self.last_cycle_mono or 0.0) + LINK_CYCLE_GAP_S)
                 if self.kmsg.take_rerun() or self.clock.mono() >= next_poll:  # lost records: check levels now
                     self.cycle()
                     next_poll = self.clock.mono() + self.cfg.poll_interval

@@ -10,6 +10,7 @@ from typing import Any
 from unittest import mock
 
 import agent.probes.nvidia_smi as smi
+from agent.kernel_log import link
 from agent.kernel_log.xid import KernelLogParser
 
 
@@ -42,4 +43,18 @@ def xid_pattern_lines() -> Iterator[list[int]]:
         return feed_line(self, line, *rest)  # type: ignore[arg-type]
 
     with mock.patch.object(KernelLogParser, "_feed_line", counted):
+        yield seen
+
+
+@contextmanager
+def link_pattern_lines() -> Iterator[list[int]]:
+    """The length of every line the kernel-log link-change patterns (agent/kernel_log/link.py) see."""
+    seen: list[int] = []
+    match_line = link._match_line
+
+    def counted(line: str) -> object:
+        seen.append(len(line))
+        return match_line(line)
+
+    with mock.patch.object(link, "_match_line", counted):
         yield seen

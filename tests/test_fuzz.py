@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from agent import config
 from agent.cli import build_parser
 from agent.cli import main as cli_main
+from agent.kernel_log.link import MAX_LINE as LINK_LINE
+from agent.kernel_log.link import parse_link_change
 from agent.kernel_log.source import MAX_RECORD, KmsgSource, KmsgUnavailable, format_record, parse_record
 from agent.kernel_log.xid import MAX_LINE as XID_LINE
 from agent.kernel_log.xid import KernelLogParser
@@ -37,7 +39,7 @@ from agent.probes.nvidia_smi import parse_smi_table, smi_findings
 from agent.settings import INT_LIMIT, in_range, to_float, to_int, to_int_list
 from agent.state import read_boot_id
 from testkit.fixture_files import FIXTURES
-from testkit.parse_counts import smi_row_lines, xid_pattern_lines
+from testkit.parse_counts import link_pattern_lines, smi_row_lines, xid_pattern_lines
 from testkit.simhost import SimHost
 
 settings.register_profile(
@@ -101,6 +103,8 @@ PATHOLOGICAL = st.sampled_from(
         "Driver Version: " + " " * 100_000,
         "|  0    1   0   0  |" + " 0 " * 40_000,
         "NVRM: Xid (" + "0" * 100_000,
+        "mlx5_core " + "0000:1b:00.0 " * 20_000 + "bootnet: Link down",
+        "mlx5_core 0000:1b:00.0: " + "Port module event: module 1, " * 5_000 + "Cable unplugged",
         "NVRM: Xid (PCI:0000:3b:00): " + "9" * 5_000 + ", pid=1",
         "NVRM: Xid (PCI:0000:3b:00" + " " * 100_000,
         "nvidia-nvswitch0: SXid (PCI:" + "0:" * 50_000,
@@ -214,6 +218,12 @@ def test_kernel_log_parser(lines: list[str]) -> None:
         for ev in events:
             assert isinstance(ev.fatal, bool) and isinstance(ev.xid, int)
             assert ev.address is None or isinstance(ev.address, PciAddress)
+        with link_pattern_lines() as seen:
+            change = parse_link_change(line[:MAX_RECORD])
+        assert all(n <= LINK_LINE for n in seen)  # linear: lines cut before the link-change patterns too
+        if change is not None:
+            assert "mlx5_core" in change.text and len(change.text) <= LINK_LINE and change.state
+            assert PciAddress.parse(change.address) is not None
 
 
 @budget(300)

@@ -233,6 +233,33 @@ def test_check_kmsg_with_a_100kb_record_finishes(simhost, capsys):
     assert (v["status"], v["reason"]) == ("False", "FatalXid"), v
 
 
+def test_kmsg_link_change_records_of_100kb_are_cut_and_the_next_change_still_counts(tmp_path):
+    """The InfiniBand/RoCE link-change patterns see huge records cut to MAX_LINE characters; the real record after
+    them still wakes the runner, and nothing is latched."""
+    from agent.kernel_log.link import MAX_LINE as LINK_LINE
+    from agent.kernel_log.watcher import KernelLogIngest
+    from agent.kernel_log.xid import KernelLogParser
+    from agent.state import LatchState
+    from testkit.parse_counts import link_pattern_lines
+
+    log = tmp_path / "kmsg"
+    log.write_text(
+        format_record("mlx5_core 0000:1b:00.0 Link " + "x" * 100_000 + ": Link down", 1)
+        + format_record("mlx5_core 0000:1b:00.0: Port module event: module " + "9" * 100_000, 2)
+        + format_record("mlx5_core 0000:1b:00.1: Port module event: module 1, Cable unplugged", 3)
+    )
+    state = LatchState(str(tmp_path / "state"), "boot")
+    ingest = KernelLogIngest(KernelLogParser(), state, Metrics(), links=True)
+    src = KmsgSource(str(log))
+    with link_pattern_lines() as seen:
+        recs, _ = src.read_available()
+        assert ingest.process(recs) == []
+    src.close()
+    assert len(seen) == 3 and max(seen) <= LINK_LINE, seen
+    assert ingest.link_change_count == 1 and ingest.link_changes[0].subject == "0000:1b:00.1 module 1"
+    assert state.snapshot() == []
+
+
 # -- nvidia-smi runner: output cap, process group, no leaked setsid() grandchildren ---------------------------------
 
 

@@ -12,8 +12,11 @@ from agent.probes.base import ProbeContext
 from agent.probes.infiniband import FlapThresholds, IbThresholds, InfinibandProbe, RailReport
 from agent.probes.pci import PciProbe
 from agent.verdict import decide
+from testkit.fixture_files import fixture_path
 from testkit.harness import wait_for
 from testkit.simhost import SimHost
+
+BOOT_LOG = "nvrm-dmesg-full-boot-h100-nvswitch-healthy-decode-iso-gpud-fixture.txt"
 
 
 def rails(host: SimHost, n: int = 8) -> None:
@@ -255,3 +258,32 @@ def test_the_agent_reports_a_flapping_rail_and_its_metrics(admin, agent_factory,
     a.wait_status(admin, "False", "GPUDegraded")
     wait_for(lambda: "mlx5_4 port 1 flapping" in a.gpu_ready(admin)["message"], 10, what="the rail named")
     assert a.metric("gpu_ready_ib_port_flaps", {"device": "mlx5_4"}) == 3
+
+
+@pytest.mark.apiserver
+def test_a_kernel_log_link_change_reads_the_rails_now_not_at_the_next_poll(admin, agent_factory, simhost):
+    """The poll is 300 s and every wait below is at most 60 s: the rail is judged on a cycle the kernel-log record
+    started. The record is a real captured one (the cable module of a ConnectX port unplugged)."""
+    rails(simhost)
+    a = agent_factory(extra={"--poll-interval": "300"})
+    a.wait_status(admin, "True", timeout=60)
+    runs = {"check": "infiniband"}
+    wait_for(lambda: a.metric("gpu_ready_check_duration_seconds_count", runs) == 1, 60, what="the first cycle")
+    simhost.set_ib_port("mlx5_4", state="1: DOWN", phys_state="2: Polling")
+    assert a.gpu_ready(admin)["status"] == "True"  # sysfs alone is read at the next poll, 300 s away
+    (line,) = [
+        line.split("+00:00 ", 1)[1]
+        for line in fixture_path(BOOT_LOG).read_text().splitlines()
+        if "0000:1b:00.1: Port module event: module 1, Cable unplugged" in line
+    ]
+    simhost.append_kmsg(line, level=6)
+    a.wait_status(admin, "False", "GPUDegraded", timeout=60)
+    assert "mlx5_4 port 1" in a.gpu_ready(admin)["message"]
+    assert a.metric("gpu_ready_check_duration_seconds_count", runs) == 2  # one cycle more: the record's, not a poll
+    assert "InfiniBand/RoCE link change in the kernel log" in a.logs()
+    # a link coming up starts a cycle too (the clear itself is the standing's: held until the rail stays up)
+    simhost.set_ib_port("mlx5_4")
+    simhost.append_kmsg("mlx5_core 0000:1b:00.1 enp27s0f1np1: Link up", level=6)
+    wait_for(lambda: a.metric("gpu_ready_check_duration_seconds_count", runs) == 3, 60, what="the up record's cycle")
+    wait_for(lambda: a.metric("gpu_ready_ib_port_up", {"device": "mlx5_4"}) == 1, 60, what="read up on that cycle")
+    assert a.metric("gpu_ready_check_duration_seconds_count", runs) == 3  # and still no poll

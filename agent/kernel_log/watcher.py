@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from agent.kernel_log.link import LinkChange, parse_link_change
 from agent.kernel_log.xid import KernelLogParser
 from agent.logs import get_logger
 from agent.model import Check, Finding, ProbeResult, XidEvent
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 from agent.kernel_log.source import KmsgRecord, KmsgSource, KmsgUnavailable
 
 KMSG_BATCH = 2000  # records parsed per read: bounds memory in a storm
+LINK_CHANGES_KEPT = 8  # distinct link changes kept per batch for the log line (all are counted)
 
 
 def place_events(
@@ -58,7 +60,9 @@ def place_events(
 
 class KernelLogIngest:
     """The kernel-log hot path: parse records, count GPU errors (one metric update per key and batch),
-    latch fatal ones, hand non-fatal ones to the Xid-rate tracker. Returns the newly latched events."""
+    latch fatal ones, hand non-fatal ones to the Xid-rate tracker. Returns the newly latched events.
+    With `links`, InfiniBand/RoCE link-change records (link.py) are noted too: `link_changes` holds the first
+    few of the last batch and `link_change_count` how many it had (they latch nothing)."""
 
     def __init__(
         self,
@@ -67,9 +71,13 @@ class KernelLogIngest:
         metrics: Metrics,
         rate: XidRateTracker | None = None,
         clock: Callable[[], float] = time.monotonic,
+        links: bool = False,
     ) -> None:
         self.parser, self.state, self.metrics = parser, state, metrics
         self.rate, self.clock = rate, clock
+        self.links = links
+        self.link_changes: list[LinkChange] = []
+        self.link_change_count = 0
 
     def process(self, records: list[KmsgRecord], now: float | None = None, device: bool = False) -> list[XidEvent]:
         """device: the records come from /dev/kmsg (their stamps share the monotonic clock's base)."""
@@ -79,7 +87,13 @@ class KernelLogIngest:
         counts: dict[tuple[int, str, bool], int] = {}
         feed, latch = self.parser.feed, self.state.latch
         rate_on = self.rate is not None and self.rate.t.enabled
+        links: list[LinkChange] = []
+        nlinks = 0
         for r in records:
+            if self.links and (change := parse_link_change(r.text)) is not None:
+                nlinks += 1
+                if len(links) < LINK_CHANGES_KEPT and all(c[:4] != change[:4] for c in links):
+                    links.append(change)
             for ev in feed(r.text, r.seq, r.usec):
                 key = (ev.xid, ev.raw_address, ev.fatal)
                 counts[key] = counts.get(key, 0) + 1
@@ -88,6 +102,7 @@ class KernelLogIngest:
                         fresh.append(ev)
                 elif rate_on:
                     rated.append(ev)  # the tracker keeps the ones it counts
+        self.link_changes, self.link_change_count = links, nlinks
         for key, n in counts.items():
             self.metrics.observe_xid_key(key, n)
         if rated and self.rate is not None:
@@ -98,7 +113,8 @@ class KernelLogIngest:
 
 class KmsgWatcher:
     """Reads the kernel log on its own thread. `wake()` is called when something the verdict depends on
-    changed (a new latched fault, the log became unreadable or readable again, records were lost)."""
+    changed (a new latched fault, the log became unreadable or readable again, records were lost, an
+    InfiniBand/RoCE link changed)."""
 
     def __init__(
         self,
@@ -117,6 +133,7 @@ class KmsgWatcher:
         self._lock = threading.Lock()
         self._fresh: list[XidEvent] = []
         self._rerun = False
+        self._link_changed = False
         self.thread: threading.Thread | None = None
         self._stop_r, self._stop_w = os.pipe()  # close() writes here: the blocking wait ends at once
         os.set_blocking(self._stop_w, False)
@@ -134,6 +151,12 @@ class KmsgWatcher:
         with self._lock:
             rerun, self._rerun = self._rerun, False
         return rerun
+
+    def take_link_change(self) -> bool:
+        """Whether an InfiniBand/RoCE link changed since the last call (the rails should be read now)."""
+        with self._lock:
+            changed, self._link_changed = self._link_changed, False
+        return changed
 
     @property
     def alive(self) -> bool:
@@ -184,6 +207,16 @@ class KmsgWatcher:
         if fresh:
             with self._lock:
                 self._fresh += fresh
+        if self.ingest.link_change_count:
+            self.log.info(
+                "InfiniBand/RoCE link change in the kernel log; reading the rails now",
+                check="infiniband",
+                records=self.ingest.link_change_count,
+                links=[f"{c.subject}: {c.state}" for c in self.ingest.link_changes],
+            )
+            with self._lock:
+                self._link_changed = True
+            self.wake()  # a cycle now, not at the next poll
         self.metrics.kmsg_records.inc(src.records_read - before)
         return src.more, bool(fresh)
 
