@@ -207,7 +207,9 @@ def decide(
             if seen.reset_result is False:
                 return rec.at(Step.ESCALATED, now, f"reset failed: {seen.reset_error}"[:300]), Do.ESCALATE
             # Started before a restart and its outcome never recorded: not reset twice; the proof judges it.
-            return rec.at(Step.PROVING, now, "reset outcome unknown (agent restarted): proving", reset_done=now), Do.WAIT
+            return rec.at(
+                Step.PROVING, now, "reset outcome unknown (agent restarted): proving", reset_done=now
+            ), Do.WAIT
         if waited > policy.drain_timeout_s:
             what = "process list unreadable" if seen.processes is None else f"{seen.processes} process(es) hold it"
             why = f"not reset within {policy.drain_timeout_s:g}s: {what}"

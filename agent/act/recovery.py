@@ -50,7 +50,18 @@ from agent.recovery import (
     prune,
     start,
 )
-from agent.settings import DAY, RUN_ONLY, Setting, dns_subdomain, in_range, optional, positive, to_bool, to_float, to_int
+from agent.settings import (
+    DAY,
+    RUN_ONLY,
+    Setting,
+    dns_subdomain,
+    in_range,
+    optional,
+    positive,
+    to_bool,
+    to_float,
+    to_int,
+)
 from agent.state import LatchState
 
 EventHook = Callable[[str, str, str, str, str], None]  # (reason, note, key, type, action)
@@ -162,7 +173,7 @@ class RecoveryActor:
         }
         ladders = self.state.ladders()
         changed = False
-        for gpu, rec in ladders.items():
+        for gpu in ladders:
             if gpu not in by_gpu:
                 self.state.set_ladder(None, gpu)
                 self.asked.pop(gpu, None)
@@ -171,9 +182,9 @@ class RecoveryActor:
             rem = gpu_remedy([f.action for f in faults], nvml.get(gpu))
             rec = ladders.get(gpu)
             if (rec is None or rec.step is Step.HEALTHY) and rem is Remedy.RESET:
-                rec = start(gpu, [f.key for f in faults], now)
-                self.state.set_ladder(rec, gpu)
-                self.log.warning("GPU recovery started", gpu=gpu, faults=list(rec.faults))
+                new = start(gpu, [f.key for f in faults], now)
+                self.state.set_ladder(new, gpu)
+                self.log.warning("GPU recovery started", gpu=gpu, faults=list(new.faults))
                 self._event("GPURecoveryStarted", f"{self._name(gpu, sub)}: a reset heals its fault; recovery starts",
                             gpu, "Normal")  # fmt: skip
                 changed = True
@@ -222,7 +233,9 @@ class RecoveryActor:
 
     def _seen(self, rec: GpuRecovery, addr: PciAddress, sub: Submission) -> Seen:
         pods = None if sub.allocation is None else len(sub.allocation.pods_on(addr))
-        processes = self._processes(addr) if rec.step is Step.RESETTING or (rec.step is Step.DRAINING and pods == 0) else None
+        processes = (
+            self._processes(addr) if rec.step is Step.RESETTING or (rec.step is Step.DRAINING and pods == 0) else None
+        )
         after = rec.reset_done is not None and sub.started > rec.reset_done
         return Seen(
             pods=pods,
@@ -261,7 +274,11 @@ class RecoveryActor:
             if key in asked or len(asked) >= MAX_PODS_EVICTED:
                 continue
             base = f"/api/v1/namespaces/{quote(p.namespace, safe='')}/pods/{quote(p.pod, safe='')}"
-            body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": p.pod, "namespace": p.namespace}}
+            body = {
+                "apiVersion": "policy/v1",
+                "kind": "Eviction",
+                "metadata": {"name": p.pod, "namespace": p.namespace},
+            }
             try:  # the apiserver checks the PodDisruptionBudgets; a dry run changes nothing
                 self.api.request("POST", base + "/eviction", body, query={"dryRun": "All"}, verb="EVICT")
             except ApiError as e:
@@ -280,8 +297,8 @@ class RecoveryActor:
                     continue
             asked.add(key)
             self.metrics.evictions.labels("evicted").inc()
-            self._event("GPURecoveryEvicted", f"pod {p.namespace}/{p.pod} evicted from {self._name(gpu, sub)} to reset it",
-                        f"{gpu}/{p.namespace}/{p.pod}", "Normal")  # fmt: skip
+            note = f"pod {p.namespace}/{p.pod} evicted from {self._name(gpu, sub)} to reset it"
+            self._event("GPURecoveryEvicted", note, f"{gpu}/{p.namespace}/{p.pod}", "Normal")
 
     def _reset(self, addr: PciAddress, sub: Submission) -> tuple[bool, str]:
         argv = [self.s.nvidia_smi, "-r", "-i", addr.nvml]
@@ -330,8 +347,10 @@ class RecoveryActor:
         took = max(0.0, now - rec.since)
         self.metrics.last_seconds.set(took)
         self.log.info("GPU recovered", gpu=addr.nvml, seconds=round(took, 1), cleared=len(gone))
-        self._event("GPURecovered", f"{self._name(addr.nvml, sub)} reset and proven healthy {took:.0f}s after its fault; "
-                    "its fault is cleared", addr.nvml, "Normal")  # fmt: skip
+        note = (
+            f"{self._name(addr.nvml, sub)} reset and proven healthy {took:.0f}s after its fault; its fault is cleared"
+        )
+        self._event("GPURecovered", note, addr.nvml, "Normal")
         if self._plugin_marked(addr, sub):
             self._restart_plugin(addr)
 
@@ -406,7 +425,12 @@ def hard_check_problem(obs: Observation, addr: PciAddress) -> str:
             continue
         if f.severity is Severity.FAULT and f.gpu == addr:
             return f"{f.check.value}: {f.message}"[:300]
-        if f.severity is Severity.UNCHECKED and f.check in (Check.NVIDIA_SMI, Check.NVML, Check.DEVICE_NODES, Check.PCI):
+        if f.severity is Severity.UNCHECKED and f.check in (
+            Check.NVIDIA_SMI,
+            Check.NVML,
+            Check.DEVICE_NODES,
+            Check.PCI,
+        ):
             return f"{f.check.value} could not check: {f.message}"[:300]
     return ""
 
@@ -506,7 +530,9 @@ SETTINGS = (
         "seconds to wait for the pods (then the processes) on a GPU to go before its recovery escalates",
         commands=RUN_ONLY,
     ),
-    Setting("recovery_evict", to_bool, False, "evict the pods holding a GPU to recover it (else wait)", commands=RUN_ONLY),
+    Setting(
+        "recovery_evict", to_bool, False, "evict the pods holding a GPU to recover it (else wait)", commands=RUN_ONLY
+    ),
     Setting(
         "recovery_reset_timeout", positive(to_float, 3600), 120.0, "seconds a GPU reset may take", commands=RUN_ONLY
     ),
@@ -518,13 +544,21 @@ SETTINGS = (
         commands=RUN_ONLY,
     ),
     Setting(
-        "recovery_proof_timeout", positive(to_float, DAY), 600.0, "seconds the proof command may take", commands=RUN_ONLY
+        "recovery_proof_timeout",
+        positive(to_float, DAY),
+        600.0,
+        "seconds the proof command may take",
+        commands=RUN_ONLY,
     ),
     Setting(
         "recovery_budget", in_range(to_int, 0, 100), 2, "GPU resets per GPU within recoveryWindow", commands=RUN_ONLY
     ),
     Setting(
-        "recovery_window", positive(to_float, 30 * DAY), 86400.0, "the retry budget's window, seconds", commands=RUN_ONLY
+        "recovery_window",
+        positive(to_float, 30 * DAY),
+        86400.0,
+        "the retry budget's window, seconds",
+        commands=RUN_ONLY,
     ),
     Setting(
         "recovery_plugin_namespace",
