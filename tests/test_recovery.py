@@ -27,7 +27,7 @@ from agent.state import LatchState
 from agent.verdict import decide as verdict
 
 GPU = "00000000:BB:00.0"
-A = PciAddress.parse(GPU)
+A = PciAddress(0, 0xBB, 0)
 P = Policy(drain_timeout_s=100.0, evict=False, budget=2, window_s=86400.0)
 T0 = 1_800_000_000.0
 
@@ -195,7 +195,7 @@ def test_ladder_and_budget_survive_an_agent_restart_mid_ladder_and_resume_the_st
 
 
 def test_clearing_one_gpu_keeps_the_others_and_a_replay_does_not_latch_it_again(tmp_path):
-    other = PciAddress.parse("00000000:3B:00.0")
+    other = PciAddress(0, 0x3B, 0)
     s = LatchState(str(tmp_path), "b")
     s.load()
     s.latch(_fault(seq=10), T0)

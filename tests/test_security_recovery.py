@@ -226,12 +226,13 @@ def test_recovery_token_deletes_only_the_plugin_pod_and_gpu_pods_on_its_own_node
 def test_the_agents_own_code_restarts_only_the_plugin_pod_on_its_node(rec_cluster, tmp_path):
     """RecoveryActor._restart_plugin with the token: it lists the plugin namespace on its node and deletes the
     DaemonSet's pod there; the plugin's pod on the other node and a stray pod stay."""
+    from prometheus_client import CollectorRegistry
+
     from agent.act.recovery import RecoveryActor, RecoveryMetrics, RecoverySettings
     from agent.model import PciAddress
     from agent.proc import SupervisedRunner
     from agent.recovery import Policy
     from agent.state import LatchState
-    from prometheus_client import CollectorRegistry
 
     c = rec_cluster
     e = Env(**{**vars(c.env), "node_a": f"secr-{secrets.token_hex(4)}"})  # a node of its own: no pods of other tests

@@ -1,0 +1,308 @@
+"""Per-GPU recovery end to end (docs/recovery.md): the real agent process against the real apiserver, with the chart's
+own RBAC and admission policies (recovery on) and a token bound to a Pod on its node, the simulated host for the GPUs
+(nvidia-smi and its reset stand-in) and kubelet's pod-resources API stand-in for who holds which GPU.
+
+Xid 119 (GSP_RPC_TIMEOUT, RESET_GPU) on GPU 4 while two Pods hold it and four others hold GPUs 0-3: only the two are
+evicted (the others are never touched), GPU 4 is reset once with `nvidia-smi -r -i <its bus id>`, proven, its latch
+cleared, the device plugin's pod on the node restarted, GPUReady back to True. The refusals: a process holding the
+GPU (no reset is attempted), a hung reset (killed, escalated), a failed reset, a RESTART_BM Xid (never the ladder),
+and the budget kept across an agent restart."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.kube.client import KubeApi
+from testkit.chart import Release, apply_release
+from testkit.cluster import EVENT_NAMESPACE, bound_token, create_node, ensure_namespace
+from testkit.controlplane import ControlPlane
+from testkit.harness import AgentProc, wait_for
+from testkit.simhost import SimHost
+
+pytest.importorskip("grpc")  # the pod-resources stand-in's server (dev extra)
+
+from agent.proto import podresources_v1_pb2 as pb
+from testkit.podresources import Kubelet, serve_pod_resources
+from testkit.podresources import pod as grpc_pod
+
+DS = "nvidia-device-plugin"
+K = 4  # the GPU that faults
+
+
+class Node:
+    """One GPU node: the simulated host, the Node, the workload Pods (real objects in the apiserver and in the
+    pod-resources stand-in), the plugin DaemonSet's pod, and a kubelet stand-in that finishes deletions."""
+
+    def __init__(self, cp: ControlPlane, admin: KubeApi, rel: Release, plugin_ns: str, ds_uid: str, tmp: Path):
+        self.cp, self.admin, self.rel, self.plugin_ns, self.ds_uid = cp, admin, rel, plugin_ns, ds_uid
+        self.host = SimHost(tmp / "host")
+        self.name = f"rec-{secrets.token_hex(4)}"
+        create_node(admin, self.name, {"nvidia.com/gpu.present": "true"}, self.host.plugin_resources())
+        self.ns = f"ml-{secrets.token_hex(3)}"
+        ensure_namespace(admin, self.ns)
+        self.gpus = self.host.gpu_uuids()
+        self.kubelet: Kubelet | None = None
+        self.pods: dict[str, int] = {}  # workload pod -> GPU position
+        self.deleted: list[str] = []  # pods the kubelet stand-in saw deleted, in order
+        self.plugin_pod = ""
+        self.plugin_restarts = 0
+        self.tmp = tmp
+
+    def add_pod(self, name: str, gpu: int) -> None:
+        self.admin.request(
+            "POST",
+            f"/api/v1/namespaces/{self.ns}/pods",
+            {
+                "metadata": {"name": name},
+                "spec": {
+                    "nodeName": self.name,
+                    "containers": [{"name": "main", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+                },
+            },
+        )
+        self.pods[name] = gpu
+        self.sync()
+
+    def add_plugin_pod(self) -> None:
+        self.plugin_pod = f"{DS}-{secrets.token_hex(3)}"
+        owner = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": DS, "uid": self.ds_uid, "controller": True}
+        self.admin.request(
+            "POST",
+            f"/api/v1/namespaces/{self.plugin_ns}/pods",
+            {
+                "metadata": {"name": self.plugin_pod, "ownerReferences": [owner]},
+                "spec": {"nodeName": self.name, "containers": [{"name": "plugin", "image": "x"}]},
+            },
+        )
+
+    def sync(self, advertised: set[int] | None = None) -> None:
+        assert self.kubelet is not None
+        self.kubelet.pods = [grpc_pod(n, [self.gpus[g][1]], ns=self.ns) for n, g in sorted(self.pods.items())]
+        if advertised is not None:
+            ids = [self.gpus[i][1] for i in sorted(advertised)]
+            self.kubelet.devices = [pb.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=ids)]
+
+    def kubelet_step(self) -> None:
+        """What kubelet does with a deleted pod: stops it (gone from pod-resources) and removes the object; the
+        plugin DaemonSet's pod comes back (a new one) and advertises every GPU again."""
+        for name in list(self.pods):
+            p = self.admin.request("GET", f"/api/v1/namespaces/{self.ns}/pods/{name}")
+            if p["metadata"].get("deletionTimestamp"):
+                del self.pods[name]
+                self.deleted.append(name)
+                self.sync()
+                self.admin.request("DELETE", f"/api/v1/namespaces/{self.ns}/pods/{name}", {"gracePeriodSeconds": 0})
+        if self.plugin_pod:
+            p = self.admin.request("GET", f"/api/v1/namespaces/{self.plugin_ns}/pods/{self.plugin_pod}")
+            if p["metadata"].get("deletionTimestamp"):
+                self.admin.request(
+                    "DELETE", f"/api/v1/namespaces/{self.plugin_ns}/pods/{self.plugin_pod}", {"gracePeriodSeconds": 0}
+                )
+                self.plugin_restarts += 1
+                self.add_plugin_pod()
+                self.sync(advertised=set(range(8)))
+
+    def agent(self, sock: str, **flags: str) -> AgentProc:
+        tok, _ = bound_token(self.admin, self.rel.ns, self.rel.fullname, self.name)
+        extra = {
+            "--pod-resources": "true",
+            "--pod-resources-socket": sock,
+            "--pod-resources-interval": "0.1",
+            "--recovery": "",
+            "--recovery-evict": "",
+            "--recovery-drain-timeout": "60",
+            "--recovery-reset-timeout": "20",
+            "--recovery-plugin-namespace": self.plugin_ns,
+            "--recovery-plugin-daemonset": DS,
+            **flags,
+        }
+        env = {"GPU_READY_EVENT_NAMESPACE": EVENT_NAMESPACE}
+        return AgentProc(self.cp, self.host, self.name, tok, extra=extra, workdir=self.tmp, env=env).start()
+
+    def events(self) -> list[str]:
+        got = self.admin.request(
+            "GET",
+            f"/api/v1/namespaces/{EVENT_NAMESPACE}/events",
+            query={"fieldSelector": f"involvedObject.name={self.name}"},
+        )
+        return [x["reason"] for x in got["items"]]
+
+    def gpu_ready(self) -> dict[str, Any] | None:
+        node = self.admin.get_node(self.name)
+        return next((c for c in node["status"].get("conditions", []) if c["type"] == "GPUReady"), None)
+
+
+@pytest.fixture(scope="module")
+def recovery_release(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    admin = control_plane.admin()
+    plugin_ns = f"plug-{secrets.token_hex(3)}"
+    ensure_namespace(admin, plugin_ns)
+    ds = admin.request(
+        "POST",
+        f"/apis/apps/v1/namespaces/{plugin_ns}/daemonsets",
+        {
+            "metadata": {"name": DS},
+            "spec": {
+                "selector": {"matchLabels": {"app": DS}},
+                "template": {
+                    "metadata": {"labels": {"app": DS}},
+                    "spec": {"nodeSelector": {"no-such-node": "x"}, "containers": [{"name": "p", "image": "x"}]},
+                },
+            },
+        },
+    )
+    kc = control_plane.kubeconfig(tmp_path_factory.mktemp("rec") / "admin")
+    values = [
+        *("--set", "recovery.enabled=true", "--set", "recovery.evict=true"),
+        *("--set", f"recovery.devicePlugin.namespace={plugin_ns}", "--set", f"recovery.devicePlugin.daemonSet={DS}"),
+    ]
+    rel = apply_release(control_plane, kc, "rec", values)
+    yield admin, rel, plugin_ns, ds["metadata"]["uid"]
+    admin.close()
+
+
+@pytest.fixture
+def node(control_plane, recovery_release, tmp_path) -> Iterator[tuple[Node, str]]:
+    admin, rel, plugin_ns, uid = recovery_release
+    n = Node(control_plane, admin, rel, plugin_ns, uid, tmp_path)
+    with serve_pod_resources() as (sock, k):
+        n.kubelet = k
+        n.sync(advertised=set(range(8)))
+        yield n, sock
+
+
+def reset_processes(host: SimHost) -> list[int]:
+    """Processes running the simulated host's `nvidia-smi -r` (a hung reset left behind would be one)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        args = cmd.split(b"\0")
+        if str(host.nvidia_smi).encode() in args and b"-r" in args:
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.apiserver
+def test_xid_119_on_gpu_4_is_drained_reset_proven_and_back_while_the_other_gpus_keep_serving(node):
+    n, sock = node
+    for i in range(4):
+        n.add_pod(f"other-{i}", i)
+    n.add_pod("train-a", K)
+    n.add_pod("train-b", K)
+    n.add_plugin_pod()
+    n.host.set_reset("ok")
+    a = n.agent(sock)
+    try:
+        a.wait_status(n.admin, "True", timeout=60)
+        t_fault = time.monotonic()
+        n.host.append_xid(119, gpu=K, text="Timeout after 6s of waiting for RPC response from GPU4 GSP!")
+        n.sync(advertised=set(range(8)) - {K})  # the device plugin marks it unhealthy, as it does on an Xid
+
+        def back() -> bool:
+            n.kubelet_step()
+            c = n.gpu_ready()
+            return bool(c and c["status"] == "True" and n.host.resets())
+
+        wait_for(back, 90, 0.05, "GPU 4 reset, proven and GPUReady=True again")
+        t_back = time.monotonic()
+        wait_for(lambda: (n.kubelet_step(), n.plugin_restarts >= 1)[1], 30, 0.1, "the plugin pod restarted")
+        print(f"\n[recovery] Xid 119 on GPU 4 -> GPUReady=True again: {t_back - t_fault:.2f}s (poll 0.5s)")
+        bus = n.gpus[K][0].nvml
+        assert n.host.resets() == [f"-r -i {bus}"]  # one reset, of GPU 4 only
+        assert sorted(n.deleted) == ["train-a", "train-b"]  # only the pods on GPU 4 were evicted
+        assert sorted(n.pods) == [f"other-{i}" for i in range(4)]  # the others: never touched
+        for i in range(4):
+            p = n.admin.request("GET", f"/api/v1/namespaces/{n.ns}/pods/other-{i}")
+            assert not p["metadata"].get("deletionTimestamp")
+        assert n.plugin_restarts == 1
+        wait_for(lambda: "GPURecovered" in n.events(), 30, 0.2, "the GPURecovered Event")
+        ev = n.events()
+        assert ev.count("GPURecoveryEvicted") == 2 and "GPURecoveryStarted" in ev and "DevicePluginRestarted" in ev
+        assert "GPURecoveryFailed" not in ev
+        assert a.metric("gpu_ready_gpu_recoveries_total") == 1.0
+        assert a.metric("gpu_ready_gpu_resets_total", {"result": "ok"}) == 1.0
+        assert a.metric("gpu_ready_gpu_recovery_escalations_total") == 0.0
+        # a new pod on GPU 4 (the plugin advertises it again): the agent sees it held and healthy
+        n.add_pod("train-c", K)
+        wait_for(lambda: a.metric("gpu_ready_gpu_pods", {"pci_bus_id": bus}) == 1.0, 30, 0.2, "the new pod on GPU 4")
+        assert n.gpu_ready()["status"] == "True"
+        # The budget (2 per 24 h) is in the state file: restarted with a budget of 1, the next fault escalates.
+        assert a.terminate() == 0
+        a = n.agent(sock, **{"--recovery-budget": "1"})
+        a.wait_status(n.admin, "True", timeout=60)
+        n.host.append_xid(119, gpu=K, text="Timeout after 6s of waiting for RPC response from GPU4 GSP!")
+        c = a.wait_status(n.admin, "False", "GPURecoveryFailed", timeout=60)
+        assert "budget" in c["message"], c["message"]
+        assert n.host.resets() == [f"-r -i {bus}"]  # no second reset
+        assert "train-c" in n.pods  # an escalation evicts nothing
+    finally:
+        a.terminate()
+
+
+@pytest.mark.apiserver
+def test_a_process_holding_the_gpu_refuses_the_reset_then_escalates(node):
+    n, sock = node
+    n.host.hold_gpu(K, 4242)
+    a = n.agent(sock, **{"--recovery-drain-timeout": "3"})
+    try:
+        a.wait_status(n.admin, "True", timeout=60)
+        n.host.append_xid(119, gpu=K)
+        c = a.wait_status(n.admin, "False", "GPURecoveryFailed", timeout=60)
+        assert "process(es) hold it" in c["message"], c["message"]
+        assert n.host.resets() == []  # never attempted
+        assert "FatalXid" in c["message"]  # the fault stays latched
+    finally:
+        a.terminate()
+
+
+@pytest.mark.apiserver
+@pytest.mark.parametrize("mode", ["hang", "fail"])
+def test_a_hung_or_failed_reset_is_killed_and_escalates(node, mode):
+    n, sock = node
+    n.host.set_reset(mode, seconds=3600)
+    a = n.agent(sock, **{"--recovery-reset-timeout": "2"})
+    try:
+        a.wait_status(n.admin, "True", timeout=60)
+        n.host.append_xid(119, gpu=K)
+        c = a.wait_status(n.admin, "False", "GPURecoveryFailed", timeout=60)
+        assert "reset failed" in c["message"], c["message"]
+        assert len(n.host.resets()) == 1  # never a loop: one attempt
+        assert reset_processes(n.host) == []  # the hung one was killed with its process group
+        result = "timeout" if mode == "hang" else "failed"
+        assert a.metric("gpu_ready_gpu_resets_total", {"result": result}) == 1.0
+        assert a.metric("gpu_ready_gpu_recovery_escalations_total") == 1.0
+        wait_for(lambda: "GPURecoveryFailed" in n.events(), 30, 0.2, "the GPURecoveryFailed Event")
+    finally:
+        a.terminate()
+
+
+@pytest.mark.apiserver
+def test_a_restart_bm_xid_never_enters_the_ladder(node):
+    n, sock = node
+    n.add_pod("train-a", K)
+    a = n.agent(sock)
+    try:
+        a.wait_status(n.admin, "True", timeout=60)
+        n.host.append_xid(79, gpu=K)
+        a.wait_status(n.admin, "False", "FatalXid", timeout=60)
+        start = a.metric("gpu_ready_condition_writes_total") or 0
+        cycles = lambda: int(float(a.http("/readyz")[1].split()[1]))  # noqa: E731  "ok: N cycles"
+        c0 = cycles()
+        wait_for(lambda: cycles() >= c0 + 6, 30, 0.1, "six more check cycles")
+        assert n.host.resets() == [] and "train-a" in n.pods and not n.deleted
+        assert a.metric("gpu_ready_gpu_recovery_step") is None  # no ladder at all
+        assert n.gpu_ready()["reason"] == "FatalXid" and start >= 1
+    finally:
+        a.terminate()
