@@ -60,7 +60,7 @@ def test_gpus_table(simhost, kubelet):
     rows = {line.split()[1]: line for line in lines[1 : 1 + len(gpus)]}
     assert set(rows) == {addr.nvml for addr, _, _ in gpus}
     first, second, last = (rows[gpus[i][0].nvml].split() for i in (0, 1, -1))
-    assert first[3:9] == ["none", "1", "1", "full", "healthy", "ml/train-0"]
+    assert first[3:10] == ["none", "1", "1", "full", "healthy", "-", "ml/train-0"]
     assert second[3:7] == ["replicas", "4", "2", "partial"] and second[-2:] == ["ml/a,", "ml/b"]
     assert last[6] == "fenced"
     n = len(gpus)

@@ -223,3 +223,20 @@ def test_escalated_gpu_makes_the_node_gpurecoveryfailed_and_shows_remedy_and_ste
     assert verdict(obs, [bm]).gpus[0].remedy == "node"
     f = Finding.fault(Check.NVML, Reason.NVML_HEALTH, "GPU recovery action: GPU reset", A, kind="recovery_action")
     assert verdict(Observation(findings=[f], gpus=obs.gpus), [bm]).gpus[0].remedy == "reset"  # NVML wins
+
+
+def test_check_json_shows_the_remedy_per_gpu(simhost):
+    """`gpu-ready check --json` on the simulated host: Xid 119 (RESET_GPU) on GPU 4 says reset, Xid 79 (RESTART_BM)
+    on GPU 1 says node, the healthy GPUs say nothing; recovery is off, so no step."""
+    import json
+    import subprocess
+    import sys
+
+    simhost.append_xid(119, gpu=4)
+    simhost.append_xid(79, gpu=1)
+    args = [sys.executable, "-m", "agent.cli", "check", "--json", *simhost.check_args()]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    rows = {g["index"]: g for g in json.loads(r.stdout)["gpus"]}
+    assert (rows[4]["remedy"], rows[1]["remedy"], rows[0]["remedy"]) == ("reset", "node", None)
+    assert all(g["recovery"] is None for g in rows.values())

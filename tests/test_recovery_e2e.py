@@ -263,6 +263,9 @@ def test_a_process_holding_the_gpu_refuses_the_reset_then_escalates(node):
         assert "process(es) hold it" in c["message"], c["message"]
         assert n.host.resets() == []  # never attempted
         assert "FatalXid" in c["message"]  # the fault stays latched
+        bus = n.gpus[K][0].nvml
+        assert a.metric("gpu_ready_gpu_remedy", {"pci_bus_id": bus, "remedy": "reset"}) == 1.0
+        assert a.metric("gpu_ready_gpu_recovery_step", {"pci_bus_id": bus, "step": "escalated"}) == 1.0
     finally:
         a.terminate()
 
@@ -303,6 +306,7 @@ def test_a_restart_bm_xid_never_enters_the_ladder(node):
         wait_for(lambda: cycles() >= c0 + 6, 30, 0.1, "six more check cycles")
         assert n.host.resets() == [] and "train-a" in n.pods and not n.deleted
         assert a.metric("gpu_ready_gpu_recovery_step") is None  # no ladder at all
+        assert a.metric("gpu_ready_gpu_remedy", {"pci_bus_id": n.gpus[K][0].nvml, "remedy": "node"}) == 1.0
         assert n.gpu_ready()["reason"] == "FatalXid" and start >= 1
     finally:
         a.terminate()
