@@ -219,10 +219,10 @@ class Metrics:
             self.gpu_healthy.remove(*key)  # unknown: absent
         self._gpu_labels = now
         remedies = {(g.pci_bus_id, g.remedy) for g in v.gpus if g.remedy is not None}
-        for key in self._remedies - remedies:
-            self.gpu_remedy.remove(*key)
-        for key in remedies - self._remedies:
-            self.gpu_remedy.labels(*key).set(1)
+        for bus, rem in self._remedies - remedies:
+            self.gpu_remedy.remove(bus, rem)
+        for bus, rem in remedies - self._remedies:
+            self.gpu_remedy.labels(bus, rem).set(1)
         self._remedies = remedies
         for src, n in vars(v.counts).items():  # every source, `dra` included, so a vanished one is removed
             if n is None:
