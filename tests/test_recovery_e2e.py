@@ -182,3 +182,28 @@ def test_a_restart_bm_xid_never_enters_the_ladder(node):
         assert n.gpu_ready()["reason"] == "FatalXid" and start >= 1
     finally:
         a.terminate()
+
+
+@pytest.mark.apiserver
+def test_an_agent_stopped_during_a_reset_kills_it_and_the_next_one_resumes_without_resetting_again(node):
+    """SIGTERM while `nvidia-smi -r` hangs: the agent kills it on the way out (nothing outlives the agent). The
+    attempt was written before the reset started, so the restarted agent finds the ladder in `resetting` with a
+    reset started and no outcome: it goes on to the proof (the GPU answers healthy) instead of resetting again."""
+    n, sock = node
+    n.host.set_reset("hang", seconds=3600)
+    a = n.agent(sock, **{"--recovery-reset-timeout": "300"})
+    try:
+        a.wait_status(n.admin, "True", timeout=60)
+        n.host.append_xid(119, gpu=K)
+        wait_for(lambda: reset_processes(n.host) and n.host.resets(), 60, 0.05, "the reset running (hung)")
+        assert a.terminate() == 0
+        assert reset_processes(n.host) == []  # killed with the agent
+        assert len(n.host.resets()) == 1
+        n.host.set_reset("ok")
+        a = n.agent(sock)
+        wait_for(lambda: (n.gpu_ready() or {}).get("status") == "True", 60, 0.1, "GPUReady=True after the proof")
+        assert len(n.host.resets()) == 1  # resumed at the proof: not reset a second time
+        assert a.metric("gpu_ready_gpu_recoveries_total") == 1.0
+        assert "reset outcome unknown (agent restarted): proving" in a.logs()
+    finally:
+        a.terminate()

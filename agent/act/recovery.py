@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from agent.allocation import AllocationMap
 from agent.kube.client import ApiError, KubeApi
 from agent.model import Check, GpuIdentity, LatchedFault, Observation, PciAddress, Severity
-from agent.proc import SupervisedRunner, run_command
+from agent.proc import Run, SupervisedRunner
 from agent.recovery import (
     ACTIVE,
     STEPS,
@@ -140,6 +140,11 @@ class RecoveryActor:
         self.api, self.node, self.state, self.s = api, node, state, settings
         self.smi, self.kmsg_seq, self.on_event, self.metrics, self.log = smi, kmsg_seq, on_event, metrics, log
         self.brake, self.wall = brake, wall
+        # The reset and the proof run supervised (agent/proc.py): at their timeout, or when the agent stops
+        # (`kill_running`), their process group and whatever they left behind are killed; nothing outlives the agent.
+        self.resetter = SupervisedRunner(settings.nvidia_smi, settings.reset_timeout_s, name="nvidia-smi -r")
+        self.prover: SupervisedRunner | None = None
+        self.stopping = False  # the agent stops: an outcome cut short by that is not an outcome
         self.asked: dict[str, set[tuple[str, str]]] = {}  # per GPU: pods already evicted in this ladder
 
     # -- one pass ---------------------------------------------------------------------------------------------
@@ -207,12 +212,16 @@ class RecoveryActor:
                 self.state.set_ladder(new, gpu, reset_at=now)  # counted before it starts: a crash cannot re-run it
                 attempts = self.state.resets.get(gpu, ())
                 ok, why = self._reset(addr, sub)
+                if self.stopping:
+                    return new  # killed by the agent's stop: the state file says "reset started", no outcome
                 now = self.wall()  # reset_done: the checks that prove it start after this
                 seen = replace(seen, reset_result=ok, reset_error=why)
                 rec = new
                 continue
             if do is Do.PROVE:
                 ok, why = self._prove(addr, sub, new)
+                if self.stopping:
+                    return new
                 seen = replace(seen, proof=ok, proof_error=why)
                 rec = new
                 continue
@@ -300,14 +309,21 @@ class RecoveryActor:
             note = f"pod {p.namespace}/{p.pod} evicted from {self._name(gpu, sub)} to reset it"
             self._event("GPURecoveryEvicted", note, f"{gpu}/{p.namespace}/{p.pod}", "Normal")
 
+    def kill_running(self) -> None:
+        """The agent stops: a reset or proof in flight is killed with everything it started. Its outcome is not
+        recorded: the state file keeps the reset as started, and the next agent goes on to the proof."""
+        self.stopping = True
+        for r in (self.resetter, self.prover):
+            if r is not None:
+                r.kill_running()
+
     def _reset(self, addr: PciAddress, sub: Submission) -> tuple[bool, str]:
         argv = [self.s.nvidia_smi, "-r", "-i", addr.nvml]
         self.log.warning("resetting GPU", gpu=addr.nvml, command=" ".join(argv), timeout=self.s.reset_timeout_s)
-        try:
-            out = run_command(argv, self.s.reset_timeout_s)
-        except OSError as e:
+        out = self.resetter.run(argv[1:])
+        if out.error is not None:
             self.metrics.resets.labels("error").inc()
-            return False, f"cannot run {argv[0]}: {e.strerror or e}"
+            return False, out.error
         if out.exit_code is None:
             self.metrics.resets.labels("timeout").inc()
             return False, f"`{' '.join(argv)}` did not finish within {self.s.reset_timeout_s:g}s (killed)"
@@ -328,10 +344,10 @@ class RecoveryActor:
                 a.replace("{index}", "" if ident.index is None else str(ident.index)).replace("{bus_id}", addr.nvml)
                 for a in shlex.split(cmd)
             ]
-            try:
-                out = run_command(argv, self.s.proof_timeout_s)
-            except OSError as e:
-                return False, f"cannot run the proof command: {e.strerror or e}"
+            self.prover = SupervisedRunner(argv[0], self.s.proof_timeout_s, name="the proof command")
+            out: Run = self.prover.run(argv[1:])
+            if out.error is not None:
+                return False, f"cannot run the proof command: {out.error}"
             if out.exit_code is None:
                 return False, f"the proof command did not finish within {self.s.proof_timeout_s:g}s"
             if out.exit_code != 0:
@@ -462,6 +478,7 @@ class RecoveryWorker:
     def close(self, timeout: float = 0.0) -> None:
         self._stop.set()
         self._wake.set()
+        self.actor.kill_running()
         if self.thread is not None and timeout:
             self.thread.join(timeout)
 
