@@ -41,6 +41,8 @@ from agent.model import (
 from agent.recovery import Remedy, Step, gpu_remedy, nvml_action_of
 
 MESSAGE_LIMIT = 1000  # bytes; the condition message stays under 1 KiB
+# The reasons of a latched fault: a FatalXid, and a GPU whose recovery gave up (its fault stays latched).
+LATCHED_REASONS = frozenset({Reason.FATAL_XID, Reason.GPU_RECOVERY_FAILED})
 
 
 def gpu_label(addr: PciAddress | None, gpus: dict[PciAddress, GpuIdentity]) -> str:
@@ -286,7 +288,7 @@ def adopt(
     message = str(existing.get("message") or "")[:MESSAGE_LIMIT]
     since = parse_rfc3339(existing.get("lastTransitionTime"))
     latched = (
-        reason is Reason.FATAL_XID
+        reason in LATCHED_REASONS
         and latched_faults == 0
         and state_outcome != "boot_changed"
         and since is not None
@@ -349,7 +351,7 @@ class RecoveryGate:
                 recovery=recovery,
             )
         hold = state.hold
-        if hold is not None and (v.status is Status.TRUE or (hold.latched and v.reason is not Reason.FATAL_XID)):
+        if hold is not None and (v.status is Status.TRUE or (hold.latched and v.reason not in LATCHED_REASONS)):
             v = _held(v, hold)
         return v, state
 

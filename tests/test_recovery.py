@@ -240,3 +240,18 @@ def test_check_json_shows_the_remedy_per_gpu(simhost):
     rows = {g["index"]: g for g in json.loads(r.stdout)["gpus"]}
     assert (rows[4]["remedy"], rows[1]["remedy"], rows[0]["remedy"]) == ("reset", "node", None)
     assert all(g["recovery"] is None for g in rows.values())
+
+
+def test_a_gpurecoveryfailed_condition_found_at_start_is_held_like_a_latched_fault():
+    """The state file lost (not boot changed): a GPURecoveryFailed condition on the Node is kept until a reboot or an
+    operator clear, as a FatalXid one is."""
+    from agent.verdict import adopt
+
+    cond = {
+        "status": "False",
+        "reason": "GPURecoveryFailed",
+        "message": "m",
+        "lastTransitionTime": "2027-01-01T00:00:00Z",
+    }
+    hold = adopt(cond, latched_faults=0, state_outcome="new", cleared_before=0.0, boot_time=None)
+    assert hold is not None and hold.latched and hold.reason is Reason.GPU_RECOVERY_FAILED
