@@ -255,3 +255,24 @@ def test_a_gpurecoveryfailed_condition_found_at_start_is_held_like_a_latched_fau
     }
     hold = adopt(cond, latched_faults=0, state_outcome="new", cleared_before=0.0, boot_time=None)
     assert hold is not None and hold.latched and hold.reason is Reason.GPU_RECOVERY_FAILED
+
+
+def test_the_proof_reads_the_hard_checks_of_that_gpu_only():
+    from agent.act.recovery import hard_check_problem
+
+    other = PciAddress(0, 0x3B, 0)
+    gpus = {A: GpuIdentity(A, 4), other: GpuIdentity(other, 1)}
+    seen = {Check.NVIDIA_SMI: frozenset(gpus), Check.PCI: frozenset(gpus)}
+    ok = Observation(gpus=gpus, seen=seen)
+    assert hard_check_problem(ok, A) == ""
+    err = Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, "ERR! in Temp", A)
+    assert "ERR! in Temp" in hard_check_problem(Observation(findings=[err], gpus=gpus, seen=seen), A)
+    elsewhere = Finding.fault(Check.NVIDIA_SMI, Reason.NVIDIA_SMI_ERR, "ERR! in Temp", other)
+    assert hard_check_problem(Observation(findings=[elsewhere], gpus=gpus, seen=seen), A) == ""
+    latched = Finding.fault(Check.XID, Reason.FATAL_XID, "Xid 119", A)  # the latch itself is not a hard check
+    assert hard_check_problem(Observation(findings=[latched], gpus=gpus, seen=seen), A) == ""
+    gone = {Check.NVIDIA_SMI: frozenset({other}), Check.PCI: frozenset(gpus)}
+    assert "does not list it" in hard_check_problem(Observation(gpus=gpus, seen=gone), A)
+    blind = Finding.unchecked(Check.NVML, "NVML hung")
+    assert "could not check" in hard_check_problem(Observation(findings=[blind], gpus=gpus, seen=seen), A)
+    assert "did not run" in hard_check_problem(Observation(gpus=gpus, seen={Check.PCI: frozenset(gpus)}), A)
