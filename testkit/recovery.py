@@ -149,7 +149,7 @@ def recovery_release(cp: ControlPlane, kc: Path, name: str = "rec") -> tuple[Rel
     finally:
         admin.close()
     values = [
-        *("--set", "recovery.enabled=true", "--set", "recovery.evict=true"),
+        *("--set", "recovery.enabled=true", "--set", "recovery.evict=true", "--set", "podResources.enabled=true"),
         *("--set", f"recovery.devicePlugin.namespace={plugin_ns}", "--set", f"recovery.devicePlugin.daemonSet={DS}"),
     ]
     return apply_release(cp, kc, name, values), plugin_ns, str(ds["metadata"]["uid"])

@@ -473,7 +473,15 @@ def test_recovery_lifts_the_rule_after_the_proof_and_a_claim_gets_the_gpu_again(
     from testkit.podresources import serve_pod_resources
 
     p = fplane
-    values = [*VALUES, "--set", "recovery.enabled=true", "--set", "recovery.drainTimeout=300"]
+    values = [
+        *VALUES,
+        "--set",
+        "recovery.enabled=true",
+        "--set",
+        "recovery.drainTimeout=300",
+        "--set",
+        "podResources.enabled=true",
+    ]
     rel = apply_release(p.control_plane, p.control_plane.kubeconfig(tmp_path / "admin"), "frec", values)
     cm = next(d for d in rel.docs if d["kind"] == "ConfigMap" and "config.yaml" in d["data"])
     cfg = tmp_path / "config.yaml"

@@ -157,7 +157,7 @@ def test_xid_119_on_gpu_4_on_a_real_kubelet(env: Env) -> None:
     # The chart's release with recovery on (evict, the plugin DaemonSet), a token bound to a Pod on the node.
     kc = e.cp.kubeconfig(e.workdir / "admin.kubeconfig")
     values = [
-        *("--set", "recovery.enabled=true", "--set", "recovery.evict=true"),
+        *("--set", "recovery.enabled=true", "--set", "recovery.evict=true", "--set", "podResources.enabled=true"),
         *("--set", f"recovery.devicePlugin.namespace={plugin_ns}", "--set", f"recovery.devicePlugin.daemonSet={DS}"),
     ]
     rel: Release = apply_release(e.cp, kc, "recn", values)

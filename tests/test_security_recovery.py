@@ -55,6 +55,7 @@ class RecCluster:
 def values(plugin_ns: str, evict: bool) -> list[str]:
     return [
         *("--set", "recovery.enabled=true", "--set", f"recovery.evict={str(evict).lower()}"),
+        *("--set", "podResources.enabled=true"),
         *("--set", f"recovery.devicePlugin.namespace={plugin_ns}", "--set", f"recovery.devicePlugin.daemonSet={DS}"),
     ]
 
@@ -277,6 +278,16 @@ def test_recovery_off_renders_nothing_on_pods():
     (role,) = [r for n, r in by_kind(on, "Role").items() if "recovery" in n]
     assert role["metadata"]["namespace"] == "gpu-operator"
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "delete"]}]
-    no_plugin = render(["--set", "recovery.enabled=true"])  # nothing to restart, nothing to evict: no right
+    no_plugin = render(
+        ["--set", "recovery.enabled=true", "--set", "podResources.enabled=true"]
+    )  # nothing to restart, nothing to evict: no right
     assert not [n for n in by_kind(no_plugin, "Role") if "recovery" in n]
     assert not [n for n in by_kind(no_plugin, "ClusterRole") if "recovery" in n]
+
+
+def test_recovery_without_pod_resources_fails_with_one_line():
+    from testkit.chart import CHART, helm
+
+    r = helm("template", "x", str(CHART), "--set", "recovery.enabled=true", check=False)
+    assert r.returncode != 0
+    assert "recovery.enabled needs podResources.enabled" in r.stderr, r.stderr
