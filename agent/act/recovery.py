@@ -242,9 +242,8 @@ class RecoveryActor:
 
     def _seen(self, rec: GpuRecovery, addr: PciAddress, sub: Submission) -> Seen:
         pods = None if sub.allocation is None else len(sub.allocation.pods_on(addr))
-        processes = (
-            self._processes(addr) if rec.step is Step.RESETTING or (rec.step is Step.DRAINING and pods == 0) else None
-        )
+        near = rec.step is Step.RESETTING or (rec.step in (Step.FENCED, Step.DRAINING) and pods == 0)
+        processes = self._processes(addr) if near else None
         after = rec.reset_done is not None and sub.started > rec.reset_done
         return Seen(
             pods=pods,
