@@ -6,7 +6,8 @@ Xid 119 (GSP_RPC_TIMEOUT, RESET_GPU) on GPU 4 while two Pods hold it and four ot
 evicted (the others are never touched), GPU 4 is reset once with `nvidia-smi -r -i <its bus id>`, proven, its latch
 cleared, the device plugin's pod on the node restarted, GPUReady back to True. The refusals: a process holding the
 GPU (no reset is attempted), a hung reset (killed, escalated), a failed reset, a RESTART_BM Xid (never the ladder),
-and the budget kept across an agent restart."""
+and the budget kept across an agent restart (the second fault is reset by the restarted agent, the third within 24 h
+escalates)."""
 
 from __future__ import annotations
 
@@ -110,15 +111,22 @@ def test_xid_119_on_gpu_4_is_drained_reset_proven_and_back_while_the_other_gpus_
         n.add_pod("train-c", K)
         wait_for(lambda: a.metric("gpu_ready_gpu_pods", {"pci_bus_id": bus}) == 1.0, 30, 0.2, "the new pod on GPU 4")
         assert n.gpu_ready()["status"] == "True"
-        # The budget (2 per 24 h) is in the state file: restarted with a budget of 1, the next fault escalates.
+        # The budget (2 resets per 24 h) is in the state file and survives a restart: the second fault is reset
+        # again by the restarted agent, the third within 24 h escalates.
         assert a.terminate() == 0
-        a = n.agent(sock, **{"--recovery-budget": "1"})
+        a = n.agent(sock)
         a.wait_status(n.admin, "True", timeout=60)
         n.host.append_xid(119, gpu=K, text="Timeout after 6s of waiting for RPC response from GPU4 GSP!")
+        n.sync(advertised=set(range(8)) - {K})
+        wait_for(lambda: back() and len(n.host.resets()) == 2, 90, 0.05, "the second fault reset and proven")
+        assert "train-c" in n.deleted  # the pod on GPU 4 evicted again
+        n.add_pod("train-d", K)
+        wait_for(lambda: a.metric("gpu_ready_gpu_pods", {"pci_bus_id": bus}) == 1.0, 30, 0.2, "train-d on GPU 4")
+        n.host.append_xid(119, gpu=K, text="Timeout after 6s of waiting for RPC response from GPU4 GSP!")
         c = a.wait_status(n.admin, "False", "GPURecoveryFailed", timeout=60)
-        assert "budget" in c["message"], c["message"]
-        assert n.host.resets() == [f"-r -i {bus}"]  # no second reset
-        assert "train-c" in n.pods  # an escalation evicts nothing
+        assert "retry budget spent: 2 reset(s) within 24 h (budget 2)" in c["message"], c["message"]
+        assert len(n.host.resets()) == 2  # no third reset
+        assert "train-d" in n.pods  # an escalation evicts nothing
     finally:
         a.terminate()
 
