@@ -510,8 +510,10 @@ def build(
     registry: CollectorRegistry,
     log: Any,
     wake: Callable[[], None],
+    brake: Callable[[], bool] = lambda: False,
 ) -> RecoveryWorker | None:
-    """The worker for these settings; None with recovery off (nothing changes)."""
+    """The worker for these settings; None with recovery off (nothing changes). `brake`: whether the fleet brake is
+    engaged now (asked before every decision; while it is, no eviction and no reset starts)."""
     if not cfg.recovery:
         return None
     policy = Policy(cfg.recovery_drain_timeout, cfg.recovery_evict, cfg.recovery_budget, cfg.recovery_window)
@@ -526,7 +528,7 @@ def build(
     )
     actor = RecoveryActor(
         api, cfg.node_name, state, settings, smi=smi, kmsg_seq=kmsg_seq, on_event=on_event,
-        metrics=RecoveryMetrics(registry), log=log,
+        metrics=RecoveryMetrics(registry), log=log, brake=brake,
     )  # fmt: skip
     return RecoveryWorker(actor, wake, log)
 
