@@ -47,7 +47,9 @@ def read_kernel_log(cfg: config_mod.Config) -> KernelLog:
 
 def latched_from(log: KernelLog, now: float) -> list[LatchedFault]:
     """A one-shot read's fatal events as the latch would hold them."""
-    return [LatchedFault(x.xid, x.raw_address, x.address, x.source, x.text, now) for x in log.events if x.fatal]
+    return [
+        LatchedFault(x.xid, x.raw_address, x.address, x.source, x.text, now, x.action) for x in log.events if x.fatal
+    ]
 
 
 def render_table(v: Verdict, xids: list[XidEvent]) -> str:

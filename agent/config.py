@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from agent import mig_config
-from agent.act import fencing, taints
+from agent.act import fencing, recovery, taints
 from agent.kernel_log import rate, xid
 from agent.kernel_log import watcher as kmsg_watcher
 from agent.probes import (
@@ -187,6 +187,7 @@ SETTINGS: tuple[Setting, ...] = (
     *rate.SETTINGS,
     *fencing.SETTINGS,
     *taints.SETTINGS,
+    *recovery.SETTINGS,
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -278,6 +279,16 @@ class Config:
     taint_key: str
     taint_no_execute: bool
     taint_unknown_as_false: bool
+    recovery: bool
+    recovery_drain_timeout: float
+    recovery_evict: bool
+    recovery_reset_timeout: float
+    recovery_proof_command: str | None
+    recovery_proof_timeout: float
+    recovery_budget: int
+    recovery_window: float
+    recovery_plugin_namespace: str | None
+    recovery_plugin_daemonset: str | None
 
     @property
     def retry_cap_s(self) -> float:

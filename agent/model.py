@@ -62,6 +62,7 @@ class Status(StrEnum):
 class Reason(StrEnum):
     """The condition reasons, an API for alerts and remediation. Declaration order is priority."""
 
+    GPU_RECOVERY_FAILED = "GPURecoveryFailed"  # a GPU's reset, its proof or its retry budget failed (recovery)
     FATAL_XID = "FatalXid"
     NVIDIA_SMI_FAILED = "NvidiaSmiFailed"
     NVML_HEALTH = "NvmlHealth"
@@ -232,6 +233,8 @@ class GpuStatus:
     problems: tuple[str, ...] = ()  # "<Reason>: <text>", for people
     reasons: tuple[Reason, ...] = ()  # the reasons of `problems`, each once, in priority order (for reporters)
     unchecked: tuple[Check, ...] = ()  # sources that could not check this GPU this cycle
+    remedy: str | None = None  # what heals its faults (agent/recovery.py): "reset", "node"; None: nothing to heal
+    recovery: str | None = None  # its recovery ladder's step ("draining", "escalated", ...); None: none
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -242,6 +245,8 @@ class GpuStatus:
             "problems": list(self.problems),
             "reasons": [r.value for r in self.reasons],
             "unchecked": [c.value for c in self.unchecked],
+            "remedy": self.remedy,
+            "recovery": self.recovery,
         }
 
 
@@ -269,6 +274,7 @@ class LatchedFault:
     source: str
     text: str
     since: float  # wall-clock seconds when first seen
+    action: str = ""  # the catalog's immediate action for it (XidEvent.action; "" in state files written before)
 
     @property
     def key(self) -> str:

@@ -20,7 +20,7 @@ from agent.config import Config
 from agent.kube.backoff import ApiHealth
 from agent.kube.client import ApiError, KubeApi
 from agent.kube.node_cache import NodeCache
-from agent.model import Observation, Verdict
+from agent.model import Observation, PciAddress, Verdict
 from agent.report.condition import find_condition
 from agent.state import LatchState, read_boot_id, read_boot_time
 from agent.verdict import GateState, HeldCondition, NodeFacts, RecoveryGate, adopt, decide_clear, node_facts
@@ -102,12 +102,25 @@ class Standing:
 
     def evaluate(self, obs: Observation, cycles: int) -> Verdict:
         was_bad = self.gate_state.bad is not None
-        v, self.gate_state = self.gate.step(self.gate_state, obs, cycles, self.state.snapshot(), self.facts)
+        v, self.gate_state = self.gate.step(
+            self.gate_state, obs, cycles, self.state.snapshot(), self.facts, recovery=self.recovery_view()
+        )
         if self.gate_state.bad is not None and not was_bad:
             self.log.warning("level fault", reason=v.reason.value, message=v.message)
         elif was_bad and self.gate_state.bad is None:
             self.log.info("level signals clean", polls=self.cfg.recovery_polls)
         return v
+
+    def recovery_view(self) -> dict[PciAddress, tuple[str, str]]:
+        """Each GPU's recovery ladder as the verdict shows it (step, why); empty with recovery off."""
+        if not self.cfg.recovery:
+            return {}
+        out = {}
+        for gpu, rec in self.state.ladders().items():
+            addr = PciAddress.parse(gpu)
+            if addr is not None:
+                out[addr] = (rec.step.value, rec.why)
+        return out
 
     def _adopt(self, node: dict[str, Any], adopt_into: Callable[[Any, dict[str, Any]], None]) -> None:
         self.adopted = True

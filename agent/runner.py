@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from agent import config as config_mod
+from agent.act import recovery
 from agent.checks import CheckSuite
 from agent.clock import SYSTEM, Clock
 from agent.config import Config, ConfigError
@@ -67,6 +68,10 @@ class Agent:
         self.publisher = Publisher(cfg, self.api, m, clock, self.log, self.rng, self.wake.set)
         self.standing = Standing(cfg, self.state, clock, self.log, self.publisher.record)
         self.own = OwnNode(self.api, cfg, clock, self.log, on_change=self._node_changed)
+        self.recovery = recovery.build(
+            cfg, self.api, self.state, smi=self.suite.smi, kmsg_seq=lambda: self.kmsg.source.last_seq,
+            on_event=self.publisher.record, registry=m.registry, log=self.log, wake=self.wake.set,
+        )  # fmt: skip  # per-GPU recovery (docs/recovery.md); None when off
         if cfg.node_watch and (cfg.dra_counting or cfg.fencing):  # slices change rarely: twice the Node's watch
             self.suite.slice_cache = SliceCache(
                 self.api, self.node, cfg.dra_driver, watch_timeout_s=2 * cfg.node_watch_timeout, rng=self.rng
@@ -127,7 +132,10 @@ class Agent:
         self.standing.check_boot()
         self.standing.observe(node, self.kmsg.source.last_seq, self._adopt)
         self.state.retry()
+        started = self.clock.wall()
         self.obs, stats = self.suite.run(node, node_err)
+        if self.recovery is not None:  # its own thread: a drain, reset or proof never delays a cycle
+            self.recovery.submit(self.obs, self.suite.allocation, started)
         self.metrics.observe_cycle(stats, self.suite.allocation, enabled=self.cfg.pod_resources)
         self.metrics.multinode.publish(self.suite.results)
         self.cycles += 1
@@ -168,6 +176,8 @@ class Agent:
         self.kmsg.read_available()  # the whole ring buffer once before the first verdict, then follow it
         self.kmsg.start()
         self.publisher.start()
+        if self.recovery is not None:
+            self.recovery.start()
         for watch in (self.own.cache, self.suite.slice_cache):
             if watch is not None:
                 watch.start()
@@ -208,6 +218,8 @@ class Agent:
         # The write in flight (if any) finishes under its own timeout; do not start another.
         self.suite.smi.kill_running()
         self.publisher.close()
+        if self.recovery is not None:
+            self.recovery.close()
         for watch in (self.own.cache, self.suite.slice_cache):
             if watch is not None:
                 watch.stop()

@@ -26,6 +26,7 @@ from typing import Any
 
 from agent.logs import get_logger
 from agent.model import LatchedFault, PciAddress, XidEvent
+from agent.recovery import STEPS, GpuRecovery, Step
 from agent.settings import read_text_file
 
 STATE_VERSION = 1
@@ -69,6 +70,13 @@ class LatchState:
         self.cleared_before: float = 0.0
         self.cleared_seq: int = -1
         self.rejected_clears: set[str] = set()
+        # Per-GPU recovery (agent/recovery.py): the ladders in progress (dropped with the boot's faults), the resets
+        # of the retry budget (kept across boots), and how far the kernel log had been read when a GPU's own latch
+        # was cleared by a proven reset (a replay of the ring buffer does not latch it again).
+        self.recovery: dict[str, GpuRecovery] = {}
+        self.resets: dict[str, tuple[float, ...]] = {}
+        self.gpu_cleared_seq: dict[str, int] = {}
+        self.gpu_records: dict[PciAddress, int] = {}  # in memory: the newest kernel-log record (seq) naming each GPU
         self.load_problem: str | None = None  # what went wrong reading the file, for logs/metrics
         self.write_problem: str | None = None  # the last write's failure; None once a write succeeds
         self.write_failures = 0
@@ -99,13 +107,21 @@ class LatchState:
             if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
                 raise ValueError("unknown layout")
             if data.get("boot_id") != self.boot_id:
+                with self._lock:
+                    self.resets = _resets(data.get("resets"))  # the retry budget outlives a reboot
                 self.save()
                 return "boot_changed"
             faults = {}
             for f in data.get("faults", []):
                 gpu = PciAddress.parse(f["gpu"]) if f.get("gpu") else None
                 lf = LatchedFault(
-                    int(f["xid"]), str(f["raw_address"]), gpu, str(f["source"]), str(f["text"]), float(f["since"])
+                    int(f["xid"]),
+                    str(f["raw_address"]),
+                    gpu,
+                    str(f["source"]),
+                    str(f["text"]),
+                    float(f["since"]),
+                    str(f.get("action") or ""),
                 )
                 faults[lf.key] = lf
             with self._lock:
@@ -113,6 +129,9 @@ class LatchState:
                 self.cleared_before = float(data.get("cleared_before", 0.0))
                 self.cleared_seq = int(data.get("cleared_seq", -1))
                 self.rejected_clears = {str(x) for x in data.get("rejected_clears", [])}
+                self.recovery = _ladders(data.get("recovery"))
+                self.resets = _resets(data.get("resets"))
+                self.gpu_cleared_seq = {str(k): int(v) for k, v in (data.get("gpu_cleared_seq") or {}).items()}
             self.save()  # the same content: proves the dir writable before the first verdict
             return "loaded"
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
@@ -150,6 +169,9 @@ class LatchState:
                 "cleared_seq": self.cleared_seq,
                 "rejected_clears": sorted(self.rejected_clears),
                 "faults": [{**asdict(f), "gpu": f.gpu.nvml if f.gpu else None} for f in self.faults.values()],
+                "recovery": [asdict(r) for r in self.recovery.values()],
+                "resets": {k: list(v) for k, v in self.resets.items() if v},
+                "gpu_cleared_seq": dict(self.gpu_cleared_seq),
             }
 
     def save(self) -> bool:
@@ -201,10 +223,12 @@ class LatchState:
             return None
         if ev.seq is not None and ev.seq <= self.cleared_seq:
             return None  # read before an operator's clear: replayed from the ring buffer
+        if ev.seq is not None and ev.address is not None and ev.seq <= self.gpu_cleared_seq.get(ev.address.nvml, -1):
+            return None  # read before this GPU's proven reset cleared it: replayed from the ring buffer
         quick = (ev.source == "sxid" or ev.address is None, ev.xid, ev.address or ev.raw_address)
         if quick in self._known:
             return None  # a storm repeats the same fault: no allocation, no key formatting
-        lf = LatchedFault(ev.xid, ev.raw_address, ev.address, ev.source, ev.text[:300], now)
+        lf = LatchedFault(ev.xid, ev.raw_address, ev.address, ev.source, ev.text[:300], now, ev.action)
         with self._lock:
             self._known.add(quick)
             if lf.key in self.faults:
@@ -246,12 +270,81 @@ class LatchState:
             self.cleared_before = 0.0
             self.cleared_seq = -1
             self.rejected_clears = set()
+            self.recovery = {}  # the ladders were about this boot's faults; the budget's resets stay
+            self.gpu_cleared_seq = {}
         self.save()
         return n
 
     def snapshot(self) -> list[LatchedFault]:
         with self._lock:
             return list(self.faults.values())
+
+    # -- per-GPU recovery -------------------------------------------------------------------------------
+
+    def note_gpu_record(self, gpu: PciAddress, seq: int) -> None:
+        """A kernel-log record named this GPU (any Xid, fatal or not): the proof wants the log quiet for it."""
+        if seq > self.gpu_records.get(gpu, -1):
+            self.gpu_records[gpu] = seq
+
+    def set_ladder(self, rec: GpuRecovery | None, gpu: str, *, reset_at: float | None = None) -> bool:
+        """Stores one GPU's ladder (None drops it) and, with `reset_at`, counts a reset in its budget, in one write
+        (a reset is counted before it starts). Returns whether it reached the disk."""
+        with self._lock:
+            if rec is None:
+                self.recovery.pop(gpu, None)
+            else:
+                self.recovery[gpu] = rec
+            if reset_at is not None:
+                self.resets[gpu] = (*self.resets.get(gpu, ())[-63:], reset_at)
+        return self.save()
+
+    def prune_resets(self, keep: Callable[[tuple[float, ...]], tuple[float, ...]]) -> None:
+        with self._lock:
+            self.resets = {k: v for k, v in ((k, keep(v)) for k, v in self.resets.items()) if v}
+
+    def clear_gpu(self, gpu: PciAddress, read_seq: int | None) -> list[LatchedFault]:
+        """A proven reset: drops this GPU's latched faults only (every other fault stays)."""
+        with self._lock:
+            gone = [f for f in self.faults.values() if f.gpu == gpu and f.source != "sxid"]
+            for f in gone:
+                del self.faults[f.key]
+            self._known = {k for k in self._known if k[2] != gpu}
+            if read_seq is not None:
+                self.gpu_cleared_seq[gpu.nvml] = max(self.gpu_cleared_seq.get(gpu.nvml, -1), read_seq)
+        self.save()
+        return gone
+
+    def ladders(self) -> dict[str, GpuRecovery]:
+        with self._lock:
+            return dict(self.recovery)
+
+
+def _ladders(raw: Any) -> dict[str, GpuRecovery]:
+    out: dict[str, GpuRecovery] = {}
+    for r in (raw or [])[:1024]:
+        step = Step(str(r["step"]))
+        if step not in STEPS:
+            raise ValueError(f"unknown recovery step {step}")
+        rec = GpuRecovery(
+            gpu=str(r["gpu"]),
+            step=step,
+            since=float(r["since"]),
+            step_since=float(r["step_since"]),
+            faults=tuple(str(x) for x in r.get("faults") or ()),
+            reset_started=None if r.get("reset_started") is None else float(r["reset_started"]),
+            reset_done=None if r.get("reset_done") is None else float(r["reset_done"]),
+            reset_seq=int(r.get("reset_seq", -1)),
+            why=str(r.get("why") or "")[:300],
+            evicted=bool(r.get("evicted")),
+        )
+        out[rec.gpu] = rec
+    return out
+
+
+def _resets(raw: Any) -> dict[str, tuple[float, ...]]:
+    if not isinstance(raw, dict):
+        return {}
+    return {str(k): tuple(float(t) for t in v)[-64:] for k, v in list(raw.items())[:1024] if isinstance(v, list)}
 
 
 def _fsync_dir(path: Path) -> None:

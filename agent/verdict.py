@@ -18,7 +18,7 @@ Two pieces:
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -38,8 +38,11 @@ from agent.model import (
     Status,
     Verdict,
 )
+from agent.recovery import Remedy, Step, gpu_remedy, nvml_action_of
 
 MESSAGE_LIMIT = 1000  # bytes; the condition message stays under 1 KiB
+# The reasons of a latched fault: a FatalXid, and a GPU whose recovery gave up (its fault stays latched).
+LATCHED_REASONS = frozenset({Reason.FATAL_XID, Reason.GPU_RECOVERY_FAILED})
 
 
 def gpu_label(addr: PciAddress | None, gpus: dict[PciAddress, GpuIdentity]) -> str:
@@ -92,8 +95,12 @@ def decide(
     *,
     preflight_required: bool = False,
     preflight_passed: bool = True,
+    recovery: Mapping[PciAddress, tuple[str, str]] | None = None,
 ) -> Verdict:
+    """recovery: each GPU's recovery ladder (agent/recovery.py) as (step, why); an escalated one makes the node
+    GPURecoveryFailed (its fault stays latched and fenced)."""
     gpus = obs.gpus
+    recovery = recovery or {}
     by_reason: dict[Reason, list[str]] = {}
     problems: dict[PciAddress, list[str]] = {}
     gpu_reasons: dict[PciAddress, set[Reason]] = {}
@@ -115,6 +122,9 @@ def decide(
         if lf.source == "xid" and lf.gpu is not None and lf.gpu not in gpus:
             what += " (address matches no known GPU)"
         add(Reason.FATAL_XID, what, lf.gpu)
+    for addr, (step, why) in sorted(recovery.items()):
+        if step == Step.ESCALATED and any(lf.gpu == addr for lf in latched):
+            add(Reason.GPU_RECOVERY_FAILED, f"recovery failed: {why}" if why else "recovery failed", addr)
 
     smi_ran = True
     for f in obs.findings:
@@ -155,12 +165,19 @@ def decide(
     # A source that could not run checked no GPU this cycle (per GPU, so a reporter can tell "clean" from
     # "not looked at" for each of its faults: fencing keeps an NVML rule while NVML cannot run).
     not_checked = tuple(c for c in Check if any(f.check is c for f in unchecked)) if unchecked else ()
+    actions: dict[PciAddress, list[str]] = {}
+    for lf in latched:
+        if lf.gpu is not None and lf.source != "sxid":
+            actions.setdefault(lf.gpu, []).append(lf.action or ("RESTART_BM" if lf.source == "fallen_off_bus" else ""))
+    nvml_actions = {f.gpu: nvml_action_of(f.message) for f in obs.findings if f.kind == "recovery_action" and f.gpu}
     rows = []
     for addr in sorted(set(gpus) | set(problems)):
         ident = gpus.get(addr, GpuIdentity(addr))
         probs = tuple(problems.get(addr, ()))
         healthy: bool | None = False if probs else (True if smi_ran else None)
         mine = gpu_reasons.get(addr, set())
+        rem = gpu_remedy(actions.get(addr, ()), nvml_actions.get(addr))
+        ladder = recovery.get(addr)
         rows.append(
             GpuStatus(
                 ident.index,
@@ -170,6 +187,8 @@ def decide(
                 probs,
                 tuple(r for r in REASON_ORDER if r in mine) if mine else (),
                 not_checked,
+                None if rem is Remedy.NONE else rem.value,
+                ladder[0] if ladder is not None else None,
             )
         )
     rows.sort(key=lambda r: (r.index is None, r.index if r.index is not None else 0, r.pci_bus_id))
@@ -269,7 +288,7 @@ def adopt(
     message = str(existing.get("message") or "")[:MESSAGE_LIMIT]
     since = parse_rfc3339(existing.get("lastTransitionTime"))
     latched = (
-        reason is Reason.FATAL_XID
+        reason in LATCHED_REASONS
         and latched_faults == 0
         and state_outcome != "boot_changed"
         and since is not None
@@ -309,6 +328,7 @@ class RecoveryGate:
         cycle: int,
         latched: Sequence[LatchedFault] = (),
         facts: NodeFacts = NodeFacts(),
+        recovery: Mapping[PciAddress, tuple[str, str]] | None = None,
     ) -> tuple[Verdict, GateState]:
         """obs: the newest level observation, numbered `cycle`; calling again with the same cycle (a
         kernel-log wake between polls) does not count another clean cycle."""
@@ -320,14 +340,18 @@ class RecoveryGate:
         if level.status is Status.TRUE and state.bad is not None:
             shown = state.bad  # recovering: keep reporting the fault until enough clean cycles
         gated = facts.preflight_required and not facts.preflight_passed
-        if shown is obs and not latched and not gated:
+        if shown is obs and not latched and not gated and not recovery:
             v = level  # the same inputs: decide(obs) again would give the same verdict
         else:
             v = decide(
-                shown, latched, preflight_required=facts.preflight_required, preflight_passed=facts.preflight_passed
+                shown,
+                latched,
+                preflight_required=facts.preflight_required,
+                preflight_passed=facts.preflight_passed,
+                recovery=recovery,
             )
         hold = state.hold
-        if hold is not None and (v.status is Status.TRUE or (hold.latched and v.reason is not Reason.FATAL_XID)):
+        if hold is not None and (v.status is Status.TRUE or (hold.latched and v.reason not in LATCHED_REASONS)):
             v = _held(v, hold)
         return v, state
 

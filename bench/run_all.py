@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any
 
-from bench import fleet, footprint, latency, multinode, npd_compare, parsing, storm, write_rate
+from bench import fleet, footprint, latency, multinode, npd_compare, parsing, recovery, storm, write_rate
 from bench.common import OUT, machine, table
 from testkit.controlplane import ControlPlane
 
@@ -21,6 +21,7 @@ def main() -> None:
     ap.add_argument("--footprint-seconds", type=float, default=600)
     ap.add_argument("--latency-reps", type=int, default=100)
     ap.add_argument("--npd-reps", type=int, default=10)
+    ap.add_argument("--recovery-reps", type=int, default=10)
     ap.add_argument("--npd-steady-seconds", type=float, default=600, help="both agents idle side by side")
     ap.add_argument("--fleet-nodes", type=int, default=200)
     a = ap.parse_args()
@@ -29,6 +30,8 @@ def main() -> None:
         fp_agent, fp_sampler = footprint.start(cp)
         print("[bench] latency ...", flush=True)
         lat = latency.run(cp, a.latency_reps, poll=0.5)
+        print("[bench] per-GPU recovery: fault -> back in service ...", flush=True)
+        rec = recovery.run(cp, a.recovery_reps)
         print("[bench] parsing hostile input ...", flush=True)
         parse = parsing.run()
         print("[bench] multi-node probes per poll ...", flush=True)
@@ -49,7 +52,7 @@ def main() -> None:
     print(
         summary(
             {"latency": lat, "storm": st, "write_rate": wr, "npd_compare": npd, "footprint": fp, "fleet": fl}
-            | {"parsing": parse, "multinode": mn}
+            | {"parsing": parse, "multinode": mn, "recovery": rec}
         )
     )
     print(ratios(npd))
@@ -135,6 +138,19 @@ def summary(r: dict[str, Any]) -> str:
             ok(max(r["parsing"][k] for k in PARSE_ROWS) < 1000),
         ),
         *multinode_rows(r),
+        *(
+            [
+                (
+                    "per-GPU recovery: Xid 119 -> GPU back in service (simulated host, instant reset, poll 0.5 s)",
+                    f"p50 {r['recovery']['p50_ms']} / p90 {r['recovery']['p90_ms']} / max {r['recovery']['max_ms']} ms"
+                    f" (n={r['recovery']['n']}); other GPUs' pods disturbed: {r['recovery']['other_pods_disturbed']}",
+                    "< 60 s + the reset; 0 disturbed",
+                    ok(r["recovery"]["max_ms"] < 60_000 and r["recovery"]["other_pods_disturbed"] == 0),
+                )
+            ]
+            if "recovery" in r
+            else []
+        ),
         (
             "API writes, steady state",
             f"{wr['steady']['default_writes_per_hour']} condition writes/node/h + "

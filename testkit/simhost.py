@@ -44,7 +44,7 @@ H100X8_BUSES = (0x19, 0x3B, 0x4C, 0x5D, 0x9B, 0xBB, 0xCB, 0xDB)
 
 STANDIN = r"""#!{python}
 # nvidia-smi stand-in for gpu-ready's simulated host: replays the scenario in {scenario}.
-import json, sys, time
+import json, os, sys, time
 try:
     with open({scenario!r}) as fh:
         sc = json.load(fh)
@@ -64,6 +64,24 @@ if sc.get("count_file"):
     except (OSError, ValueError):
         n = 0
     open(sc["count_file"], "w").write(str(n + 1))
+if "-r" in sys.argv[1:] or "--gpu-reset" in sys.argv[1:]:
+    r = sc.get("reset") or {{}}
+    with open(sc["reset_log"], "a") as fh:
+        fh.write(" ".join(sys.argv[1:]) + "\n")
+    mode = r.get("mode", "ok")
+    if mode == "hang":
+        time.sleep(float(r.get("seconds", 3600)))
+    if mode == "fail":
+        print("Unable to reset GPU " + sys.argv[-1] + ": In use by another client", file=sys.stderr); sys.exit(3)
+    if r.get("output_after") is not None:
+        sc["output"] = r["output_after"]
+        tmp = {scenario!r} + ".reset"
+        with open(tmp, "w") as fh:
+            json.dump(sc, fh)
+        os.replace(tmp, {scenario!r})
+    print("GPU " + sys.argv[-1] + " was successfully reset."); sys.exit(0)
+if any(a.startswith("--query-compute-apps") for a in sys.argv[1:]):
+    sys.stdout.write(sc.get("compute_apps", "")); sys.exit(0)
 if "--query-gpu" in sys.argv[1:] or any(a.startswith("--query-gpu=") for a in sys.argv[1:]):
     sys.stdout.write(sc.get("query_output", "")); sys.exit(int(sc.get("query_exit_code", 0)))
 if "-L" in sys.argv[1:] or "--list-gpus" in sys.argv[1:]:
@@ -274,6 +292,9 @@ class SimHost:
         self.imex_ctl = self.root / "bin" / "nvidia-imex-ctl"
         self.imex_state = self.root / "imex" / "state"
         self.q_fixture: str | None = None  # a captured `nvidia-smi -q` the stand-in prints instead of smi_q
+        self.reset_log = self.root / "smi" / "resets"  # one line per `nvidia-smi -r` run: its arguments
+        self._reset: dict[str, Any] = {"mode": "ok"}
+        self._apps: dict[int, tuple[int, ...]] = {}
         self.kmsg = self.root / "kmsg"
         self.boot_id_file = self.root / "boot_id"
         self.state_dir = self.root / "state"
@@ -593,10 +614,53 @@ class SimHost:
             "list_output": smi_list(self.gpus),
             "q_output": self.q_fixture if self.q_fixture is not None else smi_q(self.gpus),
             "q_count_file": str(self.smi_q_calls),
+            "reset": self._reset,
+            "reset_log": str(self.reset_log),
+            "compute_apps": "".join(
+                f"{self.gpus[i].address.nvml}, {pid}\n" for i, pids in sorted(self._apps.items()) for pid in pids
+            ),
         }
         tmp = self.scenario.with_suffix(".tmp")
         tmp.write_text(json.dumps(sc))
         os.replace(tmp, self.scenario)
+
+    def set_reset(
+        self, mode: str = "ok", *, seconds: float = 3600, after_err: dict[int, tuple[str, ...]] | None = None
+    ) -> None:
+        """What `nvidia-smi -r -i <bus id>` does next: "ok" (exit 0, and the table shows the GPUs healthy, or with
+        `after_err`'s ERR! fields: a GPU that came back broken), "fail" (exit 3, "In use by another client"),
+        "hang" (sleeps `seconds`)."""
+        saved = [g.err_fields for g in self.gpus]
+        for i, g in enumerate(self.gpus):
+            g.err_fields = tuple((after_err or {}).get(i, ()))
+        after = smi_table(self.gpus)
+        for g, e in zip(self.gpus, saved, strict=True):
+            g.err_fields = e
+        self._reset = {"mode": mode, "seconds": seconds, "output_after": after}
+        self._rewrite_recovery()
+
+    def hold_gpu(self, gpu: int, *pids: int) -> None:
+        """Processes with GPU `gpu` open, as `nvidia-smi --query-compute-apps` lists them (none: released)."""
+        if pids:
+            self._apps[gpu] = pids
+        else:
+            self._apps.pop(gpu, None)
+        self._rewrite_recovery()
+
+    def _rewrite_recovery(self) -> None:
+        self._rewrite(
+            reset=self._reset,
+            compute_apps="".join(
+                f"{self.gpus[i].address.nvml}, {pid}\n" for i, pids in sorted(self._apps.items()) for pid in pids
+            ),
+        )
+
+    def resets(self) -> list[str]:
+        """The arguments of every `nvidia-smi -r` run so far."""
+        try:
+            return self.reset_log.read_text().splitlines()
+        except OSError:
+            return []
 
     def smi_call_count(self) -> int:
         try:

@@ -214,12 +214,14 @@ def test_gpus_table():
     text = render_gpus(a_map(extra_pods=4), verdict({1: "Xid 79"}))
     lines = text.splitlines()
     assert lines[0] == HEADER
-    assert HEADER.split() == ["INDEX", "BUS", "ID", "UUID", "SHARING", "SLOTS", "USED", "STATE", "HEALTH", "PODS"]
+    assert HEADER.split() == [
+        *("INDEX", "BUS", "ID", "UUID", "SHARING", "SLOTS", "USED", "STATE", "HEALTH", "REMEDY", "PODS")
+    ]
     row0, row1, row2, row3 = lines[1:5]
     assert row0.split()[:8] == ["0", BUS[0].nvml, short_uuid(UUID[0]), "replicas", "4", "3", "partial", "healthy"]
     assert row0.endswith("ml/train-0, ml/x-0, ml/x-1 +2")
-    assert row1.split()[6:9] == ["full", "UNHEALTHY", "ml/big"]
-    assert row2.split()[6:9] == ["free", "healthy", "-"]
+    assert row1.split()[6:10] == ["full", "UNHEALTHY", "-", "ml/big"]  # a verdict without a remedy: "-"
+    assert row2.split()[6:10] == ["free", "healthy", "-", "-"]
     assert row3.split()[3:7] == ["mig", "7", "1", "partial"]
     assert lines[-1] == "Summary: 1 free whole GPUs, 2 partial, 7 stranded slots, packing ratio 1.00, 0 fenced"
     # columns line up: every row's BUS ID starts where the header's does
@@ -246,6 +248,8 @@ def test_gpus_json():
         "allocated": 1,
         "state": "partial",
         "health": "UNHEALTHY",
+        "remedy": None,  # the test verdict names no latched fault, so no remedy
+        "recovery": None,
         "pods": ["inf/small"],
     }
     assert j["allocation"]["free_whole"] == 1

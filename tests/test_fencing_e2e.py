@@ -462,3 +462,78 @@ def test_check_counts_from_the_slices_and_lists_the_fenced_devices(fplane, tmp_p
     )
     out = json.loads(r.stdout)
     assert out["fencing"] is None and "dra" not in out["counts"]
+
+
+def test_recovery_lifts_the_rule_after_the_proof_and_a_claim_gets_the_gpu_again(fplane, tmp_path):
+    """Per-GPU recovery on a DRA node (docs/recovery.md): Xid 119 (RESET_GPU) on GPU 3 fences it; a process holds it,
+    so the ladder waits in `resetting` while eight claims come: the scheduler places seven and keeps the eighth off
+    gpu-3. The process lets go: GPU 3 is reset once, proven, its latch cleared; the DeviceTaintRule is gone and the
+    eighth claim is allocated gpu-3."""
+    pytest.importorskip("grpc")  # the pod-resources stand-in (dev extra)
+    from testkit.podresources import serve_pod_resources
+
+    p = fplane
+    values = [
+        *VALUES,
+        "--set",
+        "recovery.enabled=true",
+        "--set",
+        "recovery.drainTimeout=300",
+        "--set",
+        "podResources.enabled=true",
+    ]
+    rel = apply_release(p.control_plane, p.control_plane.kubeconfig(tmp_path / "admin"), "frec", values)
+    cm = next(d for d in rel.docs if d["kind"] == "ConfigMap" and "config.yaml" in d["data"])
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(cm["data"]["config.yaml"])
+    assert yaml.safe_load(cfg.read_text())["recovery"] is True
+    host = dra_host(tmp_path)
+    node = gpu_node(p)
+    host.hold_gpu(3, 4242)
+    with serve_pod_resources() as (sock, _k):
+        tok, _ = bound_token(p.admin, rel.ns, rel.fullname, node)
+        flags = {
+            "--config": str(cfg),
+            "--pod-resources": "true",
+            "--pod-resources-socket": sock,
+            "--pod-resources-interval": "0.1",
+        }
+        agent = AgentProc(p.control_plane, host, node, tok, extra=flags, workdir=tmp_path).start()
+        try:
+            wait_cond(p, agent, lambda c: c["status"] == "True", "GPUReady=True on the DRA node")
+            name = rule_name(node)
+            t0 = time.monotonic()
+            host.append_xid(119, 3, text="Timeout after 6s of waiting for RPC response from GPU3 GSP!")
+            wait_for(lambda: rule_exists(p, name), 60, 0.05, "the rule for gpu-3")
+            bus = "00000000:5D:00.0"
+            wait_for(
+                lambda: agent.metric("gpu_ready_gpu_recovery_step", {"pci_bus_id": bus, "step": "resetting"}) == 1.0,
+                60,
+                0.05,
+                "the ladder waiting in resetting (a process holds GPU 3)",
+            )
+            assert host.resets() == []
+            jobs = [claim_and_pod(p, node) for _ in range(8)]
+
+            def settled() -> dict[str, str | None] | None:
+                alloc = {c: allocated_device(p, c) for c, _ in jobs}
+                waiting = [pod for c, pod in jobs if alloc[c] is None]
+                placed = sum(d is not None for d in alloc.values()) == 7
+                return alloc if placed and len(waiting) == 1 and unschedulable(p, waiting[0]) else None
+
+            alloc = p.wait(settled, "7 claims allocated and the eighth pod Unschedulable")
+            assert "gpu-3" not in alloc.values()
+            (eighth,) = [c for c, _ in jobs if alloc[c] is None]
+            t1 = time.monotonic()
+            host.hold_gpu(3)  # the process lets go
+            p.wait(lambda: not rule_exists(p, name), "the rule for gpu-3 gone after the proof")
+            t_rule = time.monotonic()
+            p.wait(lambda: allocated_device(p, eighth) == "gpu-3", "the eighth claim allocated gpu-3")
+            measured("recovery: process gone -> rule deleted (s)", t_rule - t1)
+            measured("recovery: process gone -> eighth claim on gpu-3 (s)", time.monotonic() - t1)
+            measured("recovery: Xid 119 -> rule deleted, with the wait for the process (s)", t_rule - t0)
+            assert host.resets() == [f"-r -i {bus}"]
+            wait_cond(p, agent, lambda c: c["status"] == "True", "GPUReady=True again")
+            assert agent.metric("gpu_ready_gpu_recoveries_total") == 1.0
+        finally:
+            agent.terminate()

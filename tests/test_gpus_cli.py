@@ -60,7 +60,7 @@ def test_gpus_table(simhost, kubelet):
     rows = {line.split()[1]: line for line in lines[1 : 1 + len(gpus)]}
     assert set(rows) == {addr.nvml for addr, _, _ in gpus}
     first, second, last = (rows[gpus[i][0].nvml].split() for i in (0, 1, -1))
-    assert first[3:9] == ["none", "1", "1", "full", "healthy", "ml/train-0"]
+    assert first[3:10] == ["none", "1", "1", "full", "healthy", "-", "ml/train-0"]
     assert second[3:7] == ["replicas", "4", "2", "partial"] and second[-2:] == ["ml/a,", "ml/b"]
     assert last[6] == "fenced"
     n = len(gpus)
@@ -146,8 +146,8 @@ def test_a_gpu_whose_rail_is_down(tmp_path, kubelet):
     lines = r.stdout.splitlines()
     assert lines[0].split() == [*HEADER.split()[:-1], "RAIL", "PODS"]
     rows = {line.split()[1]: line.split() for line in lines[1 : 1 + len(gpus)]}
-    assert rows[gpus[3][0].nvml][8:10] == ["mlx5_3", "DOWN"]
-    assert rows[gpus[0][0].nvml][8:10] == ["mlx5_0", "ml/train-0"]
+    assert rows[gpus[3][0].nvml][9:11] == ["mlx5_3", "DOWN"]
+    assert rows[gpus[0][0].nvml][9:11] == ["mlx5_0", "ml/train-0"]
     out = json.loads(run(host, "gpus", "--json", "--pod-resources-socket", sock).stdout)
     assert [g["rail"] for g in out["gpus"]][2:5] == ["mlx5_2", "mlx5_3 DOWN", "mlx5_4"]
     print("\n" + r.stdout)

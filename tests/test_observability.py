@@ -46,6 +46,7 @@ def test_promtool_unit_tests_each_alert_fires_and_not():
         "GPUReadyAgentDown",
         "NvidiaSmiHung",
         "GPUDegraded",
+        "GPURecoveryFailed",
     ):
         cases = [c for t in tests for c in t["alert_rule_test"] if c["alertname"] == alert]
         assert any(c["exp_alerts"] for c in cases), f"{alert}: no firing case"

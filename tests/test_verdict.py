@@ -127,7 +127,8 @@ def test_reason_order(first, second):
 
 
 def test_documented_order_is_exact():
-    assert [r.value for r in FAULT_REASONS][:10] == [
+    assert [r.value for r in FAULT_REASONS][:11] == [
+        "GPURecoveryFailed",
         "FatalXid",
         "NvidiaSmiFailed",
         "NvmlHealth",

@@ -85,7 +85,7 @@ class KernelLogIngest:
         rated: list[XidEvent] = []
         now = time.time() if now is None else now
         counts: dict[tuple[int, str, bool], int] = {}
-        feed, latch = self.parser.feed, self.state.latch
+        feed, latch, note = self.parser.feed, self.state.latch, self.state.note_gpu_record
         rate_on = self.rate is not None and self.rate.t.enabled
         links: list[LinkChange] = []
         nlinks = 0
@@ -97,6 +97,8 @@ class KernelLogIngest:
             for ev in feed(r.text, r.seq, r.usec):
                 key = (ev.xid, ev.raw_address, ev.fatal)
                 counts[key] = counts.get(key, 0) + 1
+                if ev.address is not None and ev.seq is not None:
+                    note(ev.address, ev.seq)  # a recovery's proof wants the log quiet for the GPU it reset
                 if ev.fatal:
                     if latch(ev, now) is not None:
                         fresh.append(ev)

@@ -215,12 +215,21 @@ def _health(g: GpuAllocation, health: dict[PciAddress, GpuStatus]) -> str:
     return {True: "healthy", False: "UNHEALTHY", None: "unknown"}[s.healthy if s is not None else None]
 
 
+def _remedy(g: GpuAllocation, health: dict[PciAddress, GpuStatus]) -> str:
+    """What heals its fault (`reset`, `node`) and, in a recovery, the step: `reset:draining`; `-` when nothing."""
+    s = health.get(g.gpu) if g.gpu is not None else None
+    if s is None or s.remedy is None:
+        return "-"
+    return f"{s.remedy}:{s.recovery}" if s.recovery else s.remedy
+
+
 def _ratio(r: float | None) -> str:
     return "-" if r is None else f"{r:.2f}"
 
 
 HEADER = (
-    f"{'INDEX':<6} {'BUS ID':<17} {'UUID':<13} {'SHARING':<9} {'SLOTS':>5} {'USED':>4} {'STATE':<8} {'HEALTH':<9} PODS"
+    f"{'INDEX':<6} {'BUS ID':<17} {'UUID':<13} {'SHARING':<9} {'SLOTS':>5} {'USED':>4} {'STATE':<8} {'HEALTH':<9} "
+    f"{'REMEDY':<15} PODS"
 )
 
 
@@ -246,7 +255,7 @@ def render_gpus(amap: AllocationMap, v: Verdict | None = None, rails: RailView |
         rail = f"{rails.rail_of(g.gpu):<{RAIL_WIDTH}} " if with_rail and rails is not None else ""
         out.append(
             f"{idx:<6} {bus:<17} {short_uuid(g.uuid):<13} {g.sharing:<9} {g.slots:>5} {g.allocated:>4} "
-            f"{g.state:<8} {_health(g, health):<9} {rail}{pods_cell(g)}"
+            f"{g.state:<8} {_health(g, health):<9} {_remedy(g, health):<15} {rail}{pods_cell(g)}"
         )
     if not amap.gpus:
         out.append("(no GPUs in the pod-resources view)")
@@ -270,6 +279,8 @@ def gpus_json(amap: AllocationMap, v: Verdict | None = None, rails: RailView | N
                 "state": g.state,
                 "health": _health(g, health),
                 **({"rail": rails.rail_of(g.gpu)} if rails is not None and rails.gpu_rails else {}),
+                "remedy": (health[g.gpu].remedy if g.gpu in health else None),
+                "recovery": (health[g.gpu].recovery if g.gpu in health else None),
                 "pods": pod_names(g),
             }
             for g in amap.gpus

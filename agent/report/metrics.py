@@ -85,6 +85,12 @@ class Metrics:
             ["gpu", "pci_bus_id", "name"],
             registry=r,
         )
+        self.gpu_remedy = Gauge(
+            "gpu_ready_gpu_remedy",
+            "1 per GPU with a fault, by what heals it: reset (a GPU reset, the recovery ladder) or node (a reboot)",
+            ["pci_bus_id", "remedy"],
+            registry=r,
+        )
         self.gpus = Gauge(
             "gpu_ready_gpus", "GPUs seen by each source; absent when the source was not read", ["source"], registry=r
         )
@@ -155,6 +161,7 @@ class Metrics:
         self.state_write_failures.inc(0)
         self._xid_children: dict[tuple[int, str, bool], Any] = {}
         self._gpu_labels: dict[tuple[str, str, str], int] = {}  # gpu_ready_gpu_healthy series and their values
+        self._remedies: set[tuple[str, str]] = set()  # gpu_ready_gpu_remedy series shown
         self._gpu_counts: dict[str, int] = {}  # gpu_ready_gpus{source} as last set
         self._check_children: dict[str, Any] = {}
         self._status_shown: tuple[str, str] | None = None  # the gpu_ready_status series at 1
@@ -213,6 +220,12 @@ class Metrics:
         for key in was.keys() - now.keys():
             self.gpu_healthy.remove(*key)  # unknown: absent
         self._gpu_labels = now
+        remedies = {(g.pci_bus_id, g.remedy) for g in v.gpus if g.remedy is not None}
+        for bus, rem in self._remedies - remedies:
+            self.gpu_remedy.remove(bus, rem)
+        for bus, rem in remedies - self._remedies:
+            self.gpu_remedy.labels(bus, rem).set(1)
+        self._remedies = remedies
         for src, n in vars(v.counts).items():  # every source, `dra` included, so a vanished one is removed
             if n is None:
                 if self._gpu_counts.pop(src, None) is not None:
