@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from agent import mig_config
-from agent.act import fencing, taints
+from agent.act import brake, fencing, preflight_mark, taints
 from agent.kernel_log import rate, xid
 from agent.kernel_log import watcher as kmsg_watcher
 from agent.probes import (
@@ -181,6 +181,8 @@ SETTINGS: tuple[Setting, ...] = (
     *rate.SETTINGS,
     *fencing.SETTINGS,
     *taints.SETTINGS,
+    *preflight_mark.SETTINGS,
+    *brake.SETTINGS,
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -262,6 +264,14 @@ class Config:
     taint_key: str
     taint_no_execute: bool
     taint_unknown_as_false: bool
+    preflight_after_fault: bool | None
+    needs_preflight_label: str
+    brake_configmap: str | None
+
+    @property
+    def marks_after_fault(self) -> bool:
+        """preflightAfterFault, which follows requirePreflight when unset."""
+        return self.require_preflight if self.preflight_after_fault is None else self.preflight_after_fault
 
     @property
     def retry_cap_s(self) -> float:
