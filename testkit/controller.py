@@ -45,7 +45,7 @@ def controller_api(cp: ControlPlane, rel: Release) -> KubeApi:
     """A client with the controller ServiceAccount's token (a Deployment's pod runs on no particular node: the
     token is bound to nothing)."""
     token, _ = bound_token(cp.admin(), rel.ns, controller_name(rel))
-    return KubeApi.from_token(cp.host, token, timeout_s=10.0)
+    return KubeApi.from_token(cp.host, token, cp.ca_file, timeout_s=10.0)
 
 
 def controller_args(rel: Release, template: Path, fleet: str, identity: str, **kw: Any) -> argparse.Namespace:
@@ -89,13 +89,15 @@ class RunningController:
         self.thread.join(10)
 
 
-def gpu_node(admin: KubeApi, fleet: str, labels: dict[str, str] | None = None, **kw: Any) -> str:
+def gpu_node(
+    admin: KubeApi, fleet: str, labels: dict[str, str] | None = None, gpus: int = 8, **kw: Any
+) -> str:
     name = f"gpu-{secrets.token_hex(4)}"
     create_node(
         admin,
         name,
         {"nvidia.com/gpu.present": "true", "gpu-ready.io/test-fleet": fleet, **(labels or {})},
-        {"nvidia.com/gpu": "8"},
+        {"nvidia.com/gpu": str(gpus)},
         **kw,
     )
     return name
