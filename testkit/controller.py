@@ -89,9 +89,7 @@ class RunningController:
         self.thread.join(10)
 
 
-def gpu_node(
-    admin: KubeApi, fleet: str, labels: dict[str, str] | None = None, gpus: int = 8, **kw: Any
-) -> str:
+def gpu_node(admin: KubeApi, fleet: str, labels: dict[str, str] | None = None, gpus: int = 8, **kw: Any) -> str:
     name = f"gpu-{secrets.token_hex(4)}"
     create_node(
         admin,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -138,7 +137,9 @@ def test_five_faults_in_a_second_two_noexecute_the_rest_noschedule_then_the_brak
     assert cm["data"]["unavailable"] == "5"
     # several agent cycles later still exactly the two admitted ones have NoExecute
     polls = [a.host.smi_call_count() for a in agents[:5]]
-    assert wait_for(lambda: all(a.host.smi_call_count() >= p + 2 for a, p in zip(agents[:5], polls)), TIMEOUT)
+    assert wait_for(
+        lambda: all(a.host.smi_call_count() >= p + 2 for a, p in zip(agents[:5], polls, strict=True)), TIMEOUT
+    )
     with_ne = {n for n in bad if "NoExecute" in taints(admin, n)}
     assert with_ne == admitted
     assert all(taints(admin, n) == {"NoSchedule"} for n in set(bad) - admitted)

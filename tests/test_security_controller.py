@@ -47,9 +47,12 @@ def setup(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory)
         assert wait_for(
             lambda c=client, r=rel: denied_by_policy(
                 lambda: c.request(
-                    "PATCH", f"/api/v1/nodes/{b}", {"metadata": {"labels": {NEEDS: "true"}}}, MERGE_PATCH,
+                    "PATCH",
+                    f"/api/v1/nodes/{b}",
+                    {"metadata": {"labels": {NEEDS: "true"}}},
+                    MERGE_PATCH,
                     query={"dryRun": "All"},  # admission runs; nothing is stored while the policy loads
-                ),  # fmt: skip
+                ),
                 f"{r.fullname}-own-node-only",
             ),
             60,
@@ -249,9 +252,7 @@ def test_controller_may_not_create_jobs_elsewhere_or_touch_others(setup):
     mine = template_job(s, s["a"])
     assert code(create_job(s, mine))[0] == 200
     path = f"/apis/batch/v1/namespaces/{ns}/jobs/{mine['metadata']['name']}"
-    status, _ = code(
-        lambda: s["ctl"].request("PATCH", path, {"metadata": {"labels": {"x": "y"}}}, MERGE_PATCH)
-    )
+    status, _ = code(lambda: s["ctl"].request("PATCH", path, {"metadata": {"labels": {"x": "y"}}}, MERGE_PATCH))
     assert status == 403  # RBAC has no update/patch on jobs; the policy refuses an UPDATE too
 
 

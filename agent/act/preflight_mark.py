@@ -61,13 +61,11 @@ class PreflightMark:
             return False
         assert node is not None
         rv = (node.get("metadata") or {}).get("resourceVersion")
-        if self.marked_rv is not None and isinstance(rv, str) and rv.isdigit() and self.marked_rv.isdigit():
-            if int(rv) < int(self.marked_rv):
-                return False  # our write is newer than the copy we were handed: wait for the watch to catch up
+        mine = self.marked_rv
+        if mine is not None and isinstance(rv, str) and rv.isdigit() and mine.isdigit() and int(rv) < int(mine):
+            return False  # our write is newer than the copy we were handed: wait for the watch to catch up
         try:
-            ans = self.api.request(
-                "PATCH", f"/api/v1/nodes/{quote(self.node)}", label_patch(self.label), MERGE_PATCH
-            )
+            ans = self.api.request("PATCH", f"/api/v1/nodes/{quote(self.node)}", label_patch(self.label), MERGE_PATCH)
         except ApiError as e:
             self.backoff.failed(e)
             raise

@@ -88,7 +88,9 @@ class LeaseElector:
         transitions = int(spec.get("leaseTransitions") or 0)
         duration = float(spec.get("leaseDurationSeconds") or self.duration_s)
         if holder == self.identity:
-            self.api.request("PUT", f"{self.path}/{quote(self.name)}", self._body(rv, transitions, spec.get("acquireTime")))
+            self.api.request(
+                "PUT", f"{self.path}/{quote(self.name)}", self._body(rv, transitions, spec.get("acquireTime"))
+            )
             self._won(transitions)
             return
         self.leading = False

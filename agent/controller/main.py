@@ -62,10 +62,14 @@ class ControllerMetrics:
         self.gpu_nodes = Gauge("gpu_ready_fleet_gpu_nodes", "GPU nodes watched", registry=r)
         self.running = Gauge("gpu_ready_preflight_jobs_running", "preflight Jobs running", registry=r)
         self.waiting = Gauge(
-            "gpu_ready_preflight_nodes_waiting", "nodes that need preflight and wait (budget, backoff, brake)", registry=r
+            "gpu_ready_preflight_nodes_waiting",
+            "nodes that need preflight and wait (budget, backoff, brake)",
+            registry=r,
         )
         self.gave_up = Gauge(
-            "gpu_ready_preflight_gave_up_nodes", "nodes at the retry cap: preflight failed maxFailures times", registry=r
+            "gpu_ready_preflight_gave_up_nodes",
+            "nodes at the retry cap: preflight failed maxFailures times",
+            registry=r,
         )
         self.stuck = Gauge("gpu_ready_preflight_jobs_stuck", "preflight Jobs whose pod has not started", registry=r)
         self.created = Counter("gpu_ready_preflight_jobs_created", "preflight Jobs created", registry=r)
@@ -137,6 +141,7 @@ class Controller:
         self.brake: BrakeState | None = None
         self.reported: set[tuple[str, str]] = set()  # (kind, name) of Events already written by this process
         self.started = False
+        self.brake_changes = 0
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -156,16 +161,16 @@ class Controller:
                     next_resync = 0.0
                 elif was and not leading:
                     self.log.warning("lost the Lease: standing by")
-            if self.elector.leading and self.nodes.synced.is_set() and self.jobs.synced.is_set():
-                if self.wake.is_set() or time.monotonic() >= next_resync:
-                    self.wake.clear()
-                    try:
-                        self.reconcile()
-                    except ApiError as e:
-                        self.log.warning("reconcile failed", error=str(e)[:300])
-                    except Exception as e:  # a bug must not stop the controller
-                        self.log.exception("reconcile error", error=str(e))
-                    next_resync = time.monotonic() + self.args.resync
+            synced = self.nodes.synced.is_set() and self.jobs.synced.is_set()
+            if self.elector.leading and synced and (self.wake.is_set() or time.monotonic() >= next_resync):
+                self.wake.clear()
+                try:
+                    self.reconcile()
+                except ApiError as e:
+                    self.log.warning("reconcile failed", error=str(e)[:300])
+                except Exception as e:  # a bug must not stop the controller
+                    self.log.exception("reconcile error", error=str(e))
+                next_resync = time.monotonic() + self.args.resync
             wait = max(0.05, min(next_lease, next_resync if self.elector.leading else next_lease) - time.monotonic())
             self.wake.wait(wait if self.elector.leading else max(0.05, next_lease - time.monotonic()))
 
@@ -239,8 +244,9 @@ class Controller:
             self.log.warning(
                 f"fleet brake {what}", unavailable=len(st.unavailable), max_unavailable=st.budget, nodes=len(nodes)
             )
+            self.brake_changes += 1
             self._event(
-                ("brake", what + str(len(st.unavailable))), None, "FleetBrakeEngaged" if st.engaged else "FleetBrakeReleased",
+                ("brake", str(self.brake_changes)), None, "FleetBrakeEngaged" if st.engaged else "FleetBrakeReleased",
                 f"{len(st.unavailable)} of {len(nodes)} GPU nodes held out of service by gpu-ready "
                 f"(maxUnavailable {st.budget}): fleet brake {what}", "Warning" if st.engaged else "Normal",
             )  # fmt: skip
@@ -353,7 +359,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-failures", type=int, default=3)
     p.add_argument("--backoff", type=float, default=300.0, help="seconds after a failed run (doubles each time)")
     p.add_argument("--pending-timeout", type=float, default=900.0)
-    p.add_argument("--brake", default="", help="the brake ConfigMap's name (\"\": no brake)")
+    p.add_argument("--brake", default="", help='the brake ConfigMap\'s name ("": no brake)')
     p.add_argument("--max-unavailable", default="10%", help="a count or a percentage of GPU nodes")
     p.add_argument("--event-namespace", default="default", help="namespace of Events about Nodes")
     p.add_argument("--metrics-address", default="0.0.0.0:9466")

@@ -138,7 +138,9 @@ def job_view(job: Mapping[str, Any]) -> JobView | None:
     if not isinstance(node, str) or not node:
         return None
     st = job.get("status") or {}
-    conds = {c.get("type"): c for c in (st.get("conditions") or []) if isinstance(c, dict) and c.get("status") == "True"}
+    conds = {
+        c.get("type"): c for c in (st.get("conditions") or []) if isinstance(c, dict) and c.get("status") == "True"
+    }
     succeeded = "Complete" in conds or "SuccessCriteriaMet" in conds
     failed = "Failed" in conds or "FailureTarget" in conds
     fin = conds.get("Complete") or conds.get("Failed") or conds.get("FailureTarget") or conds.get("SuccessCriteriaMet")
@@ -216,7 +218,9 @@ def plan_preflight(
         v = nodes.get(node)
         needed = v is not None and wants_preflight(v)
         for j in js:
-            if (j.succeeded and now >= (j.finished or j.created) + limits.keep_succeeded_s) or (j.failed and not needed):
+            if (j.succeeded and now >= (j.finished or j.created) + limits.keep_succeeded_s) or (
+                j.failed and not needed
+            ):
                 plan.delete.append(j.name)
             elif j.active and not j.started and now - j.created >= limits.pending_timeout_s:
                 plan.stuck.append(j.name)

@@ -62,12 +62,12 @@ class ObjectWatch(WatchThread):
         with self._lock:
             old = self._obj
             self._obj = obj
-        if (old or {}).get("data") != (obj or {}).get("data") or (old is None) != (obj is None):
-            if self.on_change is not None:
-                try:
-                    self.on_change(obj)
-                except Exception as e:  # a broken callback must not stop the watch
-                    self.log.exception("object change callback failed", error=str(e))
+        changed = (old or {}).get("data") != (obj or {}).get("data") or (old is None) != (obj is None)
+        if changed and self.on_change is not None:
+            try:
+                self.on_change(obj)
+            except Exception as e:  # a broken callback must not stop the watch
+                self.log.exception("object change callback failed", error=str(e))
 
     def _watch(self) -> None:
         timeout = max(1, int(self.watch_timeout_s * (1.0 + self.rng.random())))
