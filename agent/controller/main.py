@@ -383,7 +383,7 @@ def check_args(a: argparse.Namespace) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from agent.config import ConfigError
+    from agent.settings import ConfigError
     from agent.http import HealthServer
     from agent.shutdown import on_stop_signals, wait_for_signal
 
