@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import quote
 
 import yaml
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 
 from agent.controller.informer import Informer
 from agent.controller.lease import LeaseElector, micro_time
@@ -53,6 +53,7 @@ MAX_TEMPLATE_BYTES = 256 * 1024
 class ControllerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # RSS and CPU, as the agent's
         self.leader = Gauge("gpu_ready_controller_leader", "1 while this replica holds the Lease", registry=r)
         self.brake = Gauge("gpu_ready_fleet_brake_engaged", "1 while the fleet brake is engaged", registry=r)
         self.unavailable = Gauge(
