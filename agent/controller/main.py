@@ -2,7 +2,8 @@
 
 One replica acts at a time (lease.py). The active one keeps two caches (informer.py): the GPU Nodes (read
 only) and the preflight Jobs it created in its namespace; on each change, and at least every `resync_s`, it
-1. publishes the fleet brake on its ConfigMap (only when the data changes: one write per change, none at rest);
+1. publishes the fleet brake on its ConfigMap: a change of what agents act on (engaged, admitted) at once, the
+   counts alone at most once per resync, nothing at rest;
 2. plans and applies preflight: creates the chart's Job (from the template file, only the node pinned),
    deletes finished ones, reports a node at the retry cap and a Job that does not start (Events, metrics).
 It never writes a Node: the Job's own token does, under the preflight admission policy."""
@@ -143,6 +144,7 @@ class Controller:
         self.reported: set[tuple[str, str]] = set()  # (kind, name) of Events already written by this process
         self.started = False
         self.brake_changes = 0
+        self.brake_written_at = 0.0
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -238,8 +240,15 @@ class Controller:
         self.m.unavailable.set(len(st.unavailable))
         self.m.budget.set(st.budget)
         data = st.data()
-        if data != self.brake_data:
+        # What the agents act on (engaged, admitted) is written at once; the counts alone (for people and alerts)
+        # at most once per resync, so a storm of Node changes is not a storm of ConfigMap writes and of watch
+        # events to every agent.
+        old = self.brake_data or {}
+        decisive = (old.get("engaged"), old.get("admitted")) != (data["engaged"], data["admitted"])
+        due = time.monotonic() - self.brake_written_at >= self.args.resync
+        if data != self.brake_data and (decisive or due):
             self._write_brake(data)
+            self.brake_written_at = time.monotonic()
         if st.engaged != was:
             what = "engaged" if st.engaged else "released"
             self.log.warning(
