@@ -49,6 +49,7 @@ from agent.logs import get_logger, setup_logging
 
 REPORTING_CONTROLLER = "gpu-ready-controller"
 MAX_TEMPLATE_BYTES = 256 * 1024
+BRAKE_BATCH_S = 0.25  # decisive brake writes at most this often (admissions of nodes that fail together batch)
 
 
 class ControllerMetrics:
@@ -145,6 +146,7 @@ class Controller:
         self.started = False
         self.brake_changes = 0
         self.brake_written_at = 0.0
+        self.brake_due: float | None = None  # when a held-back decisive brake write is due (mono)
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -174,6 +176,8 @@ class Controller:
                 except Exception as e:  # a bug must not stop the controller
                     self.log.exception("reconcile error", error=str(e))
                 next_resync = time.monotonic() + self.args.resync
+                if self.brake_due is not None:
+                    next_resync = min(next_resync, self.brake_due)
             wait = max(0.05, min(next_lease, next_resync if self.elector.leading else next_lease) - time.monotonic())
             self.wake.wait(wait if self.elector.leading else max(0.05, next_lease - time.monotonic()))
 
@@ -243,12 +247,17 @@ class Controller:
         # What the agents act on (engaged, admitted) is written at once; the counts alone (for people and alerts)
         # at most once per resync, so a storm of Node changes is not a storm of ConfigMap writes and of watch
         # events to every agent.
+        # Decisive changes are coalesced over BRAKE_BATCH_S: nodes failing together are admitted in one write (one
+        # watch event per agent), at the cost of that much delay to their first NoExecute.
         old = self.brake_data or {}
         decisive = (old.get("engaged"), old.get("admitted")) != (data["engaged"], data["admitted"])
-        due = time.monotonic() - self.brake_written_at >= self.args.resync
-        if data != self.brake_data and (decisive or due):
+        since = time.monotonic() - self.brake_written_at
+        self.brake_due = None
+        if data != self.brake_data and ((decisive and since >= BRAKE_BATCH_S) or since >= self.args.resync):
             self._write_brake(data)
             self.brake_written_at = time.monotonic()
+        elif decisive:
+            self.brake_due = self.brake_written_at + BRAKE_BATCH_S
         if st.engaged != was:
             what = "engaged" if st.engaged else "released"
             self.log.warning(
