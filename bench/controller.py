@@ -112,9 +112,11 @@ def run(cp: ControlPlane, nodes: int = 1000, seconds: float = 120.0, status_peri
             while not stop.is_set():
                 n = rng.choice(names)
                 try:
-                    admin.patch_node_status(n, {"status": {"conditions": [
-                        {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ok",
-                         "lastHeartbeatTime": now_rfc3339(), "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})  # fmt: skip
+                    ready = {
+                        "type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ok",
+                        "lastHeartbeatTime": now_rfc3339(), "lastTransitionTime": "2026-01-01T00:00:00Z",
+                    }  # fmt: skip
+                    admin.patch_node_status(n, {"status": {"conditions": [ready]}})
                     patches[0] += 1
                 except ApiError:
                     pass
@@ -142,11 +144,18 @@ def run(cp: ControlPlane, nodes: int = 1000, seconds: float = 120.0, status_peri
             for n in held:
                 admin.request("PATCH", f"/api/v1/nodes/{n}", {"spec": {"taints": None}}, "application/merge-patch+json")
             time.sleep(step)
-        stop.set()
-        th.join(10)
         window_s = time.monotonic() - w0
         s1 = sampler.sample()
         req1 = metric(port, "gpu_ready_controller_api_requests_total")
+        ev1 = ow.stats.events
+        # at rest: only kubelet's status patches (no Node held out of service) for half the window
+        time.sleep(step)  # the last release written
+        r0, q0, ev2 = sampler.sample(), metric(port, "gpu_ready_controller_api_requests_total"), ow.stats.events
+        time.sleep(seconds / 2)
+        r1, q1 = sampler.sample(), metric(port, "gpu_ready_controller_api_requests_total")
+        rest_s = r1[0] - r0[0]
+        stop.set()
+        th.join(10)
         ow.stop()
         rss = [s[1] for s in sampler.samples if s[0] >= w0]
         per_h = 3600 / window_s
@@ -166,6 +175,11 @@ def run(cp: ControlPlane, nodes: int = 1000, seconds: float = 120.0, status_peri
             "agent_brake_watch_bytes": ow.stats.watch_bytes,
             "agent_brake_changes_seen": len(seen),
             "agent_brake_requests_per_hour_at_rest": 4,
+            "rest_window_s": round(rest_s, 1),
+            "controller_requests_per_hour_at_rest": round((q1 - q0) * 3600 / rest_s),
+            "controller_cpu_millicores_at_rest": millicores(r1[2] - r0[2], rest_s),
+            "agent_brake_watch_events_at_rest": ow.stats.events - ev2,
+            "agent_brake_watch_events_flips": ev1,
         })  # fmt: skip
     finally:
         sampler.stop()

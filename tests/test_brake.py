@@ -156,6 +156,7 @@ def test_five_faults_in_a_second_two_noexecute_the_rest_noschedule_then_the_brak
     for a in agents[:5]:
         a.host.new_boot()  # a reboot clears the latch
     assert wait_for(lambda: all(taints(admin, n) == set() for n in bad), TIMEOUT), "taints gone after recovery"
+
     def lifted() -> bool:
         d = (brake_cm(admin, release) or {}).get("data") or {}
         return (d.get("engaged"), d.get("admitted"), d.get("unavailable")) == ("false", "", "0")

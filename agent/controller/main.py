@@ -402,8 +402,8 @@ def check_args(a: argparse.Namespace) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from agent.settings import ConfigError
     from agent.http import HealthServer
+    from agent.settings import ConfigError
     from agent.shutdown import on_stop_signals, wait_for_signal
 
     setup_logging(os.environ.get("GPU_READY_LOG_FORMAT", "auto"), os.environ.get("GPU_READY_LOG_LEVEL", "info"))
