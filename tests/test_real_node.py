@@ -82,7 +82,11 @@ class Env:
 
     def pods(self, label: str = "app.kubernetes.io/name=gpu-ready") -> list[dict[str, Any]]:
         items = self.api.request("GET", f"/api/v1/namespaces/{NS}/pods", query={"labelSelector": label})["items"]
-        return [p for p in items if p["metadata"].get("labels", {}).get("app.kubernetes.io/component") != "preflight"]
+        return [
+            p
+            for p in items
+            if p["metadata"].get("labels", {}).get("app.kubernetes.io/component") not in ("preflight", "controller")
+        ]
 
     def agent_pod(self) -> dict[str, Any] | None:
         live = [p for p in self.pods() if not p["metadata"].get("deletionTimestamp")]
