@@ -163,3 +163,36 @@ def test_five_faults_in_a_second_two_noexecute_the_rest_noschedule_then_the_brak
 
     assert wait_for(lifted, TIMEOUT), brake_cm(admin, release)
     assert sampler.done() == 2  # never more than two nodes with NoExecute at any moment sampled
+
+
+def test_the_agents_brake_is_one_watch_held_until_known_and_follows_the_configmap(control_plane):
+    """agent/act/brake.py on the real apiserver: held until the watch's initial state arrived (fails closed), then
+    absent -> not held, admitted elsewhere -> held, admitted here -> not held, deleted -> not held; one WATCH
+    request for all of it, no GET."""
+    from agent.act.brake import Brake
+
+    admin = control_plane.admin()
+    ns = f"brake-{secrets.token_hex(3)}"
+    admin.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
+    api = control_plane.admin()
+    calls: list[str] = []
+    api.on_request = lambda verb, code: calls.append(verb)
+    brake = Brake(api, "node-a", ns, "the-brake")
+    assert brake.brake_engaged()  # not known yet: held
+    brake.start()
+    try:
+        assert wait_for(lambda: not brake.brake_engaged(), 30)  # known: no ConfigMap, no controller
+        cms = f"/api/v1/namespaces/{ns}/configmaps"
+        admin.request("POST", cms, {"metadata": {"name": "the-brake"}, "data": {"engaged": "true", "admitted": "b"}})
+        assert wait_for(brake.brake_engaged, 30)
+        admin.request("PUT", f"{cms}/the-brake", {"metadata": {"name": "the-brake"}, "data": {"admitted": "b,node-a"}})
+        assert wait_for(lambda: not brake.brake_engaged(), 30)
+        admin.request("PUT", f"{cms}/the-brake", {"metadata": {"name": "the-brake"}, "data": {"engaged": "false"}})
+        assert wait_for(brake.brake_engaged, 30)  # malformed (no admitted): fails closed
+        admin.request("DELETE", f"{cms}/the-brake")
+        assert wait_for(lambda: not brake.brake_engaged(), 30)
+        assert calls == ["WATCH"], calls
+    finally:
+        brake.stop()
+        api.close()
+        admin.close()

@@ -9,6 +9,7 @@ NoExecute.
 
 - no brake ConfigMap named in the settings (no controller installed): never engaged, the agent acts as before;
 - the ConfigMap named but absent: never engaged (the controller is not there, or has not written it yet);
+- the watch has not received the initial state yet (just after start; RBAC or the apiserver refusing it): held;
 - present: engaged for this node unless the node is in `admitted`. A node's first NoExecute thus waits for the
   controller to see its fault and admit it (one round trip through two watches), which is what keeps
   five nodes failing in the same second from evicting more than the budget allows;
@@ -84,8 +85,12 @@ class Brake:
             self.watch.stop()
 
     def brake_engaged(self) -> bool:
-        """True while a disruptive action (NoExecute taint or DeviceTaintRule) on this node must wait."""
-        return self.watch is not None and engaged_for(self.watch.get(), self.node)
+        """True while a disruptive action (NoExecute taint or DeviceTaintRule) on this node must wait. Until the
+        watch has received the initial state (just after start, or while RBAC or the apiserver refuse it) the
+        brake is not known: held (fails closed)."""
+        if self.watch is None:
+            return False
+        return not self.watch.known or engaged_for(self.watch.get(), self.node)
 
     def fleet_engaged(self) -> bool:
         return self.watch is not None and fleet_engaged(self.watch.get())

@@ -1,11 +1,13 @@
 """One named namespaced object (a ConfigMap), read from a watch: one request held open, no GET per poll.
 
-The thread watches `/api/v1/namespaces/<ns>/<resource>?fieldSelector=metadata.name=<name>` from
-`resourceVersion=0` (the apiserver answers from its watch cache: the current object first, as an ADDED event,
-then its changes; no `list` and no `get` verb needed, RBAC may name the object in resourceNames), bookmarks on,
-`timeoutSeconds` jittered as the Node watch's. An object that does not exist sends no first event: the watch
-counts as synced once it is open and the object as absent until an ADDED event. A watch the server ends resumes
-from the last resourceVersion seen; 410 Gone starts over from 0; errors back off with jitter (401/403 rarely).
+The thread watches `/api/v1/namespaces/<ns>/<resource>?fieldSelector=metadata.name=<name>` as a streaming list
+(`sendInitialEvents=true`, `resourceVersionMatch=NotOlderThan`, `resourceVersion=0`: the apiserver sends the object
+from its watch cache, if it exists, then a bookmark marking the end of the initial state, then the changes; no
+`list` and no `get` verb needed, RBAC may name the object in resourceNames), bookmarks on, `timeoutSeconds`
+jittered as the Node watch's. `known` turns true at that bookmark: only then does "no object" mean absent. An
+apiserver that refuses streaming lists (400/422) gets a plain watch from 0, known once it is open. A watch the
+server ends resumes from the last resourceVersion seen; 410 Gone starts over with a streaming list; errors back
+off with jitter (401/403 rarely).
 `get()` never makes a request: it returns the last object seen (None: absent or never seen) and whether the
 watch is kept (`live`)."""
 
@@ -23,6 +25,7 @@ from agent.kube.client import ApiError, KubeApi
 from agent.kube.watch import FORBIDDEN_BACKOFF_CAP_S, WATCH_TIMEOUT_S, Gone, WatchStats, WatchThread, check_event, rv_of
 from agent.logs import get_logger
 
+INITIAL_EVENTS_END = "k8s.io/initial-events-end"
 MAX_OBJECT_EVENT = 256 * 1024  # the objects watched this way are small (a ConfigMap of a few fields)
 
 
@@ -48,6 +51,8 @@ class ObjectWatch(WatchThread):
         self.stats = WatchStats()
         self.log = get_logger(component="object-watch", object=f"{namespace}/{name}")
         self._obj: dict[str, Any] | None = None
+        self.known = False  # the initial state has arrived: `get() is None` means the object does not exist
+        self.watch_list = True
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"watch-{resource}-{name}")
 
     @property
@@ -71,6 +76,7 @@ class ObjectWatch(WatchThread):
 
     def _watch(self) -> None:
         timeout = max(1, int(self.watch_timeout_s * (1.0 + self.rng.random())))
+        fresh = self._rv in ("", "0")
         query = [
             ("fieldSelector", f"metadata.name={self.name}"),
             ("watch", "1"),
@@ -78,8 +84,20 @@ class ObjectWatch(WatchThread):
             ("resourceVersion", self._rv or "0"),
             ("timeoutSeconds", str(timeout)),
         ]
+        if fresh and self.watch_list:
+            query += [("sendInitialEvents", "true"), ("resourceVersionMatch", "NotOlderThan")]
         path = f"/api/v1/namespaces/{quote(self.namespace)}/{self.resource}"
-        stream = self.api.stream(path, query, read_timeout_s=timeout + 30.0)
+        try:
+            stream = self.api.stream(path, query, read_timeout_s=timeout + 30.0)
+        except ApiError as e:
+            if fresh and self.watch_list and e.status in (400, 422):
+                self.watch_list = False  # no streaming lists here: a plain watch, known once open
+                return
+            raise
+        streaming = fresh and self.watch_list
+        if not streaming:
+            self.known = True
+        got = [False]  # the object came in the initial state
 
         def opened() -> None:
             self._live = True  # from 0: the object (if any) comes first; resuming: every change is on its way
@@ -89,12 +107,16 @@ class ObjectWatch(WatchThread):
             self._rv = rv_of(obj) or self._rv
             if kind == "BOOKMARK":
                 self.stats.bookmarks += 1
+                annotations = (obj.get("metadata") or {}).get("annotations") or {}
+                if streaming and annotations.get(INITIAL_EVENTS_END) == "true":
+                    if not got[0]:
+                        self._set(None)  # absent now (a start over after 410 Gone may have held a deleted copy)
+                    self.known = True
                 return
             self.stats.events += 1
+            got[0] = True
             self._set(None if kind == "DELETED" else obj)
 
-        # Starting over (410 Gone) keeps the copy held until the object's first event replaces it: an absent
-        # object sends none, so a delete missed while away is seen only at the next DELETED or ADDED.
         self._synced.set()
         self._follow(stream, timeout, on_event, opened)
 
