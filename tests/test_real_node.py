@@ -675,3 +675,60 @@ def test_controller_runs_preflight_on_a_joining_node_then_a_gpu_pod_binds(env: E
     except AssertionError as e:
         raise AssertionError(f"{e}\n{env.diag()}") from None
     assert wait_for(lambda: (c := env.gpu_ready()) and c["reason"] == "FatalXid", 60, 0.2, "FatalXid")
+
+
+def test_controller_a_failing_gate_leaves_the_node_failed_and_cordoned_and_the_retry_cap_holds(env: Env) -> None:
+    """The same automatic flow with a gate that fails (the profile asks for 9 GPUs, the host has 8): each run
+    labels preflight=failed and keeps the node cordoned, the PreflightFailed Event names the gate, and after
+    maxFailures (2 here, backoff 1 s) the controller stops: PreflightGaveUp, no third Job."""
+    import urllib.request
+
+    sim = env.sim or _world_readable_sim(env, "gpu-ready-auto-")
+    env.sim = sim
+    if env.state_dir is None:
+        from testkit.controlplane import free_port
+
+        env.state_dir = Path(tempfile.mkdtemp(prefix="gpu-ready-auto-state-"))
+        env.extra.setdefault("cleanup", []).append(env.state_dir)
+        env.metrics_port = free_port()
+    env.api.patch_node(NODE, {"metadata": {"labels": {NEEDS: "true", "preflight": None}}})
+    values = env.values(
+        **{
+            "preflight.enabled": True,
+            "preflight.auto.enabled": True,
+            "preflight.auto.replicas": 1,
+            "preflight.auto.maxFailures": 2,
+            "preflight.auto.backoffSeconds": 1,
+            "preflight.auto.tolerations": [{"operator": "Exists"}],
+            "preflight.profile": {**H100_SPEC, "gpuCount": 9, "allowSkip": ["burnin", "nvlink", "cuda", "serving"]},
+            "preflight.extraArgs": [f"--nvidia-smi={sim.nvidia_smi}", "--gates=spec"],
+            "extraVolumes": [{"name": "simhost", "hostPath": {"path": str(sim.root.parent), "type": "Directory"}}],
+            "extraVolumeMounts": [{"name": "simhost", "mountPath": str(sim.root.parent)}],
+        }
+    )
+    data = yaml.safe_load(values.read_text())
+    data["config"].update(nvidiaSmi=str(sim.nvidia_smi), sysfsRoot=str(sim.sysfs), devRoot=str(sim.dev))
+    data["config"].update(procRoot=str(sim.proc), requirePreflight=True)
+    values.write_text(yaml.safe_dump(data))
+    env.helm_run("upgrade", "--install", RELEASE, str(CHART), "-n", NS, "-f", str(values))
+
+    def events(reason: str) -> list[dict[str, Any]]:
+        items = env.api.request("GET", "/apis/events.k8s.io/v1/namespaces/default/events")["items"]
+        return [e for e in items if e.get("reason") == reason and e["regarding"].get("name") == NODE]
+
+    try:
+        wait_for(lambda: events("PreflightGaveUp"), 420, 0.5, "PreflightGaveUp")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{env.diag()}") from None
+    jobs = env.api.request(
+        "GET", f"/apis/batch/v1/namespaces/{NS}/jobs", query={"labelSelector": "gpu-ready.io/managed-by"}
+    )["items"]
+    assert len(jobs) == 2 and all(j["status"].get("failed") for j in jobs), [j["status"] for j in jobs]
+    node = env.api.get_node(NODE)
+    assert node["metadata"]["labels"].get("preflight") == "failed" and node["spec"].get("unschedulable") is True
+    assert node["metadata"]["labels"].get(NEEDS) == "true"
+    failed = events("PreflightFailed")
+    assert failed and "spec" in failed[-1]["note"], failed[-1:]
+    text = urllib.request.urlopen("http://127.0.0.1:9466/metrics", timeout=5).read().decode()
+    assert "gpu_ready_preflight_gave_up_nodes 1.0" in text
+    assert (cond := env.gpu_ready()) is not None and cond["status"] == "False"
