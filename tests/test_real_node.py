@@ -710,7 +710,7 @@ def test_controller_a_failing_gate_leaves_the_node_failed_and_cordoned_and_the_r
     data["config"].update(nvidiaSmi=str(sim.nvidia_smi), sysfsRoot=str(sim.sysfs), devRoot=str(sim.dev))
     data["config"].update(procRoot=str(sim.proc), requirePreflight=True)
     values.write_text(yaml.safe_dump(data))
-    env.helm_run("upgrade", "--install", RELEASE, str(CHART), "-n", NS, "-f", str(values))
+    env.helm_run("upgrade", "--install", RELEASE, str(CHART), "-n", NS, "--create-namespace", "-f", str(values))
 
     def events(reason: str) -> list[dict[str, Any]]:
         items = env.api.request("GET", "/apis/events.k8s.io/v1/namespaces/default/events")["items"]
