@@ -200,6 +200,10 @@ OTHER_SPECS = {
     "another command": _edit(lambda j: _pod(j)["containers"][0].update(command=["sh", "-c", "cat /etc/shadow"])),
     "another arg": _edit(lambda j: _pod(j)["initContainers"][1]["args"].append("--burn-in-command=sh")),
     "an env var": _edit(lambda j: _pod(j)["initContainers"][1]["env"].append({"name": "LD_PRELOAD", "value": "/x.so"})),
+    "a postStart hook": _edit(
+        lambda j: _pod(j)["containers"][0].update(lifecycle={"postStart": {"exec": {"command": ["sh", "-c", "id"]}}})
+    ),
+    "a workingDir": _edit(lambda j: _pod(j)["initContainers"][0].update(workingDir="/tmp")),
     "privileged": _edit(
         lambda j: _pod(j)["containers"][0]["securityContext"].update(privileged=True, allowPrivilegeEscalation=True)
     ),

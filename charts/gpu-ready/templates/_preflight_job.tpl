@@ -144,7 +144,8 @@ spec:
 {{- $ru := "-1" }}{{ if hasKey $sc "runAsUser" }}{{ $ru = toString (int64 $sc.runAsUser) }}{{ end -}}
 {{- $add := (default dict $sc.capabilities).add | default list -}}
 {{- $sec := printf "%s:%s:%s:%s" (toString (and (hasKey $sc "privileged") $sc.privileged)) (toString $ape) $ru (join "," $add) -}}
-{{- $sig := printf "%s|%s|%s|%s|%s|%d|%s|%s" $c.name $c.image (join " " (default list $c.command)) (join " " (default list $c.args)) (join "," $env) (len (default list $c.envFrom)) (join "," $mounts) $sec -}}
+{{- $hooks := printf "%s:%s:%s:%s:%s" (toString (hasKey $c "lifecycle")) (toString (hasKey $c "livenessProbe")) (toString (hasKey $c "readinessProbe")) (toString (hasKey $c "startupProbe")) (default "" $c.workingDir) -}}
+{{- $sig := printf "%s|%s|%s|%s|%s|%d|%s|%s|%s" $c.name $c.image (join " " (default list $c.command)) (join " " (default list $c.args)) (join "," $env) (len (default list $c.envFrom)) (join "," $mounts) $sec $hooks -}}
 {{- $sigs = append $sigs $sig -}}
 {{- end -}}
 {{- $_ := set $out $kind $sigs -}}
