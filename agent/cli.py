@@ -269,7 +269,7 @@ def command_parser(parser: argparse.ArgumentParser, command: str | None) -> argp
     return parser
 
 
-def build_parser(with_preflight: bool = True) -> argparse.ArgumentParser:
+def build_parser(with_preflight: bool = True, argv: list[str] | None = None) -> argparse.ArgumentParser:
     """`with_preflight`: the preflight subcommand's own flags (they import agent.preflight: `run` and `check`
     go without it)."""
     p = OneLineParser(prog="gpu-ready", description=__doc__)
@@ -310,6 +310,18 @@ def build_parser(with_preflight: bool = True) -> argparse.ArgumentParser:
     )
     config_mod.add_flags(r, "run")
     r.set_defaults(func=_run)
+    ct = sub.add_parser(
+        "controller",
+        help="run preflight Jobs where needed (needs-preflight label) and publish the fleet brake (a Deployment)",
+        description="One active replica (a Lease): creates the chart's preflight Job on each GPU node labelled "
+        "needs-preflight, within maxConcurrent, a per-node backoff and a retry cap, and publishes the fleet brake. "
+        "Exit 2 with one line on a bad flag or template.",
+    )
+    ct.set_defaults(func=lambda a: __import__("agent.controller", fromlist=["main"]).main(a))
+    if wants_command(argv, "controller"):
+        from agent.controller import add_arguments as controller_arguments
+
+        controller_arguments(ct)
     pf = sub.add_parser("preflight", help="run the onboarding gates and label the Node")
     pf.set_defaults(func=lambda a: __import__("agent.preflight", fromlist=["main"]).main(a))
     if with_preflight:
@@ -320,6 +332,14 @@ def build_parser(with_preflight: bool = True) -> argparse.ArgumentParser:
         except ImportError:
             pass
     return p
+
+
+def wants_command(argv: list[str] | None, command: str) -> bool:
+    """`command` is named (the first word that is not an option), or no command is (help); None: always."""
+    if argv is None:
+        return True
+    words = [a for a in argv if not a.startswith("-")]
+    return not words or words[0] == command
 
 
 def wants_preflight(argv: list[str]) -> bool:
@@ -336,7 +356,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(with_preflight=wants_preflight(argv))
+    parser = build_parser(with_preflight=wants_preflight(argv), argv=argv)
     args, extra = parser.parse_known_args(argv)
     if extra:  # named by the subcommand's parser: `gpu-ready check: error: unrecognized arguments: --x`
         command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from agent import mig_config
-from agent.act import fencing, recovery, taints
+from agent.act import brake, fencing, preflight_mark, recovery, taints
 from agent.kernel_log import rate, xid
 from agent.kernel_log import watcher as kmsg_watcher
 from agent.probes import (
@@ -188,6 +188,8 @@ SETTINGS: tuple[Setting, ...] = (
     *fencing.SETTINGS,
     *taints.SETTINGS,
     *recovery.SETTINGS,
+    *preflight_mark.SETTINGS,
+    *brake.SETTINGS,
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -289,6 +291,14 @@ class Config:
     recovery_window: float
     recovery_plugin_namespace: str | None
     recovery_plugin_daemonset: str | None
+    preflight_after_fault: bool | None
+    needs_preflight_label: str
+    brake_configmap: str | None
+
+    @property
+    def marks_after_fault(self) -> bool:
+        """preflightAfterFault, which follows requirePreflight when unset."""
+        return self.require_preflight if self.preflight_after_fault is None else self.preflight_after_fault
 
     @property
     def retry_cap_s(self) -> float:

@@ -98,7 +98,9 @@ class Standing:
             if not self.adopted:
                 self._adopt(node, adopt_into)
             self._apply_clear(node, kmsg_seq)
-        self.facts = node_facts(node, self.cfg.preflight_label, self.cfg.require_preflight, self.facts)
+        self.facts = node_facts(
+            node, self.cfg.preflight_label, self.cfg.require_preflight, self.facts, self.cfg.needs_preflight_label
+        )
 
     def evaluate(self, obs: Observation, cycles: int) -> Verdict:
         was_bad = self.gate_state.bad is not None

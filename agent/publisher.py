@@ -6,7 +6,11 @@
 3. Events (on the Node): one per pod holding a GPU that turned bad, naming it; one per freshly latched
    kernel-log fault;
 4. the condition (report/condition.py), under its own backoff and the first write's start-up spread;
-5. the own taint (act/taints.py), after the condition, from the freshest Node copy.
+5. the own taint (act/taints.py), after the condition, from the freshest Node copy;
+6. the needs-preflight label (act/preflight_mark.py) once a GPU fault latched.
+
+The fleet brake (act/brake.py) is one watch of the controller's ConfigMap; the taint and the fencing ask it
+before a NoExecute.
 
 Every wait it imposes is one deadline (`next_deadline`), which the loop sleeps to."""
 
@@ -16,7 +20,9 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from agent.act.brake import Brake, split_ref
 from agent.act.fencing import FenceEffect, FenceMetrics, FenceReporter, FenceWorker, FencingSettings
+from agent.act.preflight_mark import PreflightMark
 from agent.act.taints import TaintMode, TaintPlan, TaintReporter, TaintSettings
 from agent.allocation import AllocationMap
 from agent.clock import Clock
@@ -63,6 +69,14 @@ class Publisher:
             ctype=cfg.condition_type, wall=clock.wall, mono=clock.mono,
         )  # fmt: skip
         self.taint_health = ApiHealth(log, cfg.retry_cap_s, mono=clock.mono)  # logs the taint write's state
+        ns, name = split_ref(cfg.brake_configmap)
+        self.brake = Brake(api, node, ns, name, on_change=wake, watch_timeout_s=cfg.node_watch_timeout)
+        self.taints.brake = self.brake.brake_engaged
+        self.mark = PreflightMark(
+            api, node, cfg.marks_after_fault, cfg.needs_preflight_label, self.events.record, clock.mono,
+            cfg.retry_cap_s,
+        )  # fmt: skip
+        self.mark_health = ApiHealth(log, cfg.retry_cap_s, mono=clock.mono)
         self.fence: FenceWorker | None = None  # per-GPU DeviceTaintRules (docs/fencing.md); None when off
         if cfg.fencing:
             fs = FencingSettings(
@@ -71,6 +85,7 @@ class Publisher:
             reporter = FenceReporter(
                 api, node, fs, on_event=self.events.record, metrics=FenceMetrics(m.registry), clock=clock.mono
             )
+            reporter.brake = self.brake.brake_engaged
             self.fence = FenceWorker(reporter, on_change=wake, log=log)
         self.first_write_at = clock.mono() + first_write_delay(rng, cfg.start_spread)
 
@@ -78,18 +93,20 @@ class Publisher:
         self.events.record(reason, note, key, type_, action)
 
     def start(self) -> None:
+        self.brake.start()
         self.events.start()
         if self.fence is not None:
             self.fence.start()
 
     def close(self) -> None:
+        self.brake.stop()
         self.events.close()
         if self.fence is not None:
             self.fence.close()
 
     def next_deadline(self, now: float) -> float | None:
         """The soonest moment a held write may go (a backoff ends, the first write's spread ends); None: none."""
-        waits = [t for t in (self.write_health.retry_at, self.taints.retry_at) if t > now]
+        waits = [t for t in (self.write_health.retry_at, self.taints.retry_at, self.mark.backoff.retry_at) if t > now]
         if self.condition.sent is None and self.first_write_at > now:
             waits.append(self.first_write_at)
         return min(waits, default=None)
@@ -121,6 +138,17 @@ class Publisher:
             self.events.record(Reason.FATAL_XID.value, note[:1000], ev.raw_address, "Warning", "Detected")
         self._write_condition(v)
         self._reconcile_taints(v, latched_fatal, gate_open, node)
+        self._mark_needs_preflight(latched_fatal, node)
+
+    def _mark_needs_preflight(self, latched_fatal: bool, node: tuple[dict[str, Any], float] | None) -> None:
+        if node is None:
+            return
+        try:
+            if self.mark.reconcile(latched_fatal, self.taints.freshest(*node)):
+                self.mark_health.ok("write needs-preflight label")
+                self.log.info("labelled the Node", label=self.cfg.needs_preflight_label, value="true")
+        except ApiError as e:
+            self.mark_health.failed(e, "write needs-preflight label")
 
     def _write_condition(self, v: Verdict) -> None:
         now = self.clock.mono()

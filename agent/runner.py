@@ -71,6 +71,7 @@ class Agent:
         self.recovery = recovery.build(
             cfg, self.api, self.state, smi=self.suite.smi, kmsg_seq=lambda: self.kmsg.source.last_seq,
             on_event=self.publisher.record, registry=m.registry, log=self.log, wake=self.wake.set,
+            brake=self.publisher.brake.brake_engaged,  # the fleet brake holds its evictions and resets
         )  # fmt: skip  # per-GPU recovery (docs/recovery.md); None when off
         if cfg.node_watch and (cfg.dra_counting or cfg.fencing):  # slices change rarely: twice the Node's watch
             self.suite.slice_cache = SliceCache(

@@ -248,12 +248,17 @@ class NodeFacts:
     preflight_passed: bool = False
 
 
-def node_facts(node: dict[str, Any] | None, label: str, required: bool, previous: NodeFacts) -> NodeFacts:
-    """Facts from a Node read this cycle; an unreadable Node keeps the previous facts."""
+def node_facts(
+    node: dict[str, Any] | None, label: str, required: bool, previous: NodeFacts, needs_label: str | None = None
+) -> NodeFacts:
+    """Facts from a Node read this cycle; an unreadable Node keeps the previous facts. A node labelled
+    `<needs_label>=true` (a GPU fault latched since its last preflight) has not passed, whatever `label` says."""
     if node is None:
         return replace(previous, preflight_required=required)
     labels = (node.get("metadata") or {}).get("labels") or {}
     passed = isinstance(labels, dict) and labels.get(label) == "passed"
+    if passed and needs_label and labels.get(needs_label) == "true":
+        passed = False
     return NodeFacts(required, passed)
 
 

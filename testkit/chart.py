@@ -86,8 +86,12 @@ class Release:
 
     @property
     def sa(self) -> str:
-        """The agent's ServiceAccount (the first the chart renders)."""
-        return next(str(d["metadata"]["name"]) for d in self.docs if d["kind"] == "ServiceAccount")
+        """The agent's ServiceAccount (named as the release, else the first the chart renders that is not the
+        preflight Job's or the controller's)."""
+        names = [str(d["metadata"]["name"]) for d in self.docs if d["kind"] == "ServiceAccount"]
+        if self.fullname in names:
+            return self.fullname
+        return next(n for n in names if not n.endswith(("-preflight", "-controller")))
 
 
 def apply_release(cp: ControlPlane, kc: Path, name: str, values: list[str]) -> Release:

@@ -40,11 +40,14 @@ from testkit.harness import wait_for
 
 CONTAINERD_BUILD = REPO / "tools" / "containerd" / "build.sh"
 NODE_IMAGE_BUILD = REPO / "tools" / "node-image" / "build.sh"
-# The controllers a node's workloads need: DaemonSet and Job pods, the cluster CA in every namespace (the
+# The controllers a node's workloads need: DaemonSet, Job and Deployment pods, the cluster CA in every namespace (the
 # projected kube-api-access volume), `default` ServiceAccounts, and cascading deletion (helm uninstall).
 NODE_CONTROLLERS = (
     "daemonset-controller",
     "job-controller",
+    # gpu-ready controller's Deployment (preflight.auto): its ReplicaSet and then its pods
+    "deployment-controller",
+    "replicaset-controller",
     "root-ca-certificate-publisher-controller",
     "serviceaccount-controller",
     "garbage-collector-controller",

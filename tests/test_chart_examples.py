@@ -122,6 +122,40 @@ def test_node_readiness_preset_feeds_the_controller_and_leaves_the_taint_to_it(t
     assert r.returncode != 0 and "reserved for Kubernetes" in r.stderr
 
 
+def test_node_readiness_preset_with_the_automatic_flow_runs_preflight_on_new_tainted_nodes(tmp_path):
+    from agent.controller.plan import node_view, wants_preflight
+
+    on = [
+        "--set",
+        "preflight.enabled=true",
+        "--set",
+        "preflight.auto.enabled=true",
+        "--set",
+        "config.requirePreflight=true",
+    ]
+    docs = render([*example("node-readiness-controller"), *on])
+    cfg = agent_config(docs, tmp_path)
+    assert (cfg.condition_type, cfg.require_preflight, cfg.marks_after_fault) == ("nvidia.com/GPUReady", True, True)
+    dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gpu-ready-controller")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    for want in (
+        "--startup-taint=readiness.k8s.io/gpu-ready",
+        "--condition-type=nvidia.com/GPUReady",
+        "--taint-key=readiness.k8s.io/gpu-ready",
+    ):
+        assert want in args
+    new = {
+        "metadata": {"name": "n"},
+        "spec": {"taints": [{"key": "readiness.k8s.io/gpu-ready", "effect": "NoSchedule"}]},
+    }
+    v = node_view(new, cfg.needs_preflight_label, cfg.preflight_label, cfg.taint_key, cfg.condition_type,
+                  "readiness.k8s.io/gpu-ready")  # fmt: skip
+    assert wants_preflight(v) and v.held == "taint"
+    passed = {**new, "metadata": {"name": "n", "labels": {"preflight": "passed"}}}
+    assert not wants_preflight(node_view(passed, cfg.needs_preflight_label, "preflight", cfg.taint_key,
+                                         cfg.condition_type, "readiness.k8s.io/gpu-ready"))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def monitoring(control_plane, tmp_path_factory) -> Path:
     kc = control_plane.kubeconfig(tmp_path_factory.mktemp("kc") / "admin")

@@ -50,6 +50,8 @@ CHART_MANAGED = {
     "nvidiaSmi": "the image's nvidia-smi",
     "logFormat": "agent.logFormat",
     "logLevel": "agent.logLevel",
+    "needsPreflightLabel": "preflight.needsLabel (also read by the admission policy)",
+    "brakeConfigmap": "<release namespace>/<fullname>-brake when preflight.auto.enabled and its brake",
 }
 
 

@@ -97,6 +97,11 @@ def exported_names() -> set[str]:
     whole = [ResourceDevices("nvidia.com/gpu", ("GPU-a",))]
     m.allocation.publish(build_map([held], whole, inv), enabled=True, read_seconds=0.01)
     text = generate_latest(m.registry).decode()
+    from agent.controller.main import ControllerMetrics  # the controller's /metrics: its alerts use them
+
+    cm = ControllerMetrics()
+    cm.requests.labels("GET", "200").inc()
+    text += generate_latest(cm.registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 

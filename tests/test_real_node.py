@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,11 @@ class Env:
 
     def pods(self, label: str = "app.kubernetes.io/name=gpu-ready") -> list[dict[str, Any]]:
         items = self.api.request("GET", f"/api/v1/namespaces/{NS}/pods", query={"labelSelector": label})["items"]
-        return [p for p in items if p["metadata"].get("labels", {}).get("app.kubernetes.io/component") != "preflight"]
+        return [
+            p
+            for p in items
+            if p["metadata"].get("labels", {}).get("app.kubernetes.io/component") not in ("preflight", "controller")
+        ]
 
     def agent_pod(self) -> dict[str, Any] | None:
         live = [p for p in self.pods() if not p["metadata"].get("deletionTimestamp")]
@@ -565,3 +570,201 @@ def test_securitycontext_alternatives_cannot_read_kmsg(env: Env, name: str, over
         raise AssertionError(f"{e}\n{env.diag()}") from None
     assert c["status"] == "Unknown" and "Operation not permitted" in c["message"], f"{name}: {c}"
     print(f"\n[real node] {name}: {c['status']}/{c['reason']}: {c['message'][:120]}")
+
+
+def test_controller_runs_preflight_on_a_joining_node_then_a_gpu_pod_binds(env: Env) -> None:
+    """The automatic flow on the real node: the node joins labelled needs-preflight with gpu-ready's startup taint;
+    the chart's controller Deployment (the project's image, on the real kubelet) takes its Lease and creates the
+    preflight Job pinned to the node; the Job runs on the real kubelet, the spec gate passes on the simulated
+    host; the node is labelled passed and uncordoned, GPUReady=True (requirePreflight), the agent removes the
+    startup taint and a GPU Pod binds. Then a fatal Xid on the real /dev/kmsg: the agent labels needs-preflight."""
+    from testkit.controlplane import free_port
+
+    sim = _world_readable_sim(env, "gpu-ready-auto-")
+    env.sim = sim
+    if env.state_dir is None:
+        env.state_dir = Path(tempfile.mkdtemp(prefix="gpu-ready-auto-state-"))
+        env.extra.setdefault("cleanup", []).append(env.state_dir)
+        env.metrics_port = free_port()
+    _advertise_gpus(env, len(sim.gpus))
+    startup = {"key": "gpu-ready.io/gpu-not-ready", "value": "joining", "effect": "NoSchedule"}
+    node = env.api.get_node(NODE)
+    others = [t for t in node["spec"].get("taints", []) if t["key"] != startup["key"]]
+    env.api.patch_node(
+        NODE,
+        {"metadata": {"labels": {NEEDS: "true", "preflight": None}}, "spec": {"taints": [*others, startup]}},
+    )
+    values = env.values(
+        **{
+            "preflight.enabled": True,
+            "preflight.auto.enabled": True,
+            "preflight.auto.replicas": 1,
+            "preflight.auto.tolerations": [{"operator": "Exists"}],
+            "preflight.profile": {**H100_SPEC, "allowSkip": ["burnin", "nvlink", "cuda", "serving"]},
+            "preflight.extraArgs": [f"--nvidia-smi={sim.nvidia_smi}", "--gates=spec"],
+            "extraVolumes": [{"name": "simhost", "hostPath": {"path": str(sim.root.parent), "type": "Directory"}}],
+            "extraVolumeMounts": [{"name": "simhost", "mountPath": str(sim.root.parent)}],
+            "taints.enabled": True,
+            "taints.mode": "startup",
+        }
+    )
+    data = yaml.safe_load(values.read_text())
+    data["config"].update(nvidiaSmi=str(sim.nvidia_smi), sysfsRoot=str(sim.sysfs), devRoot=str(sim.dev))
+    data["config"].update(procRoot=str(sim.proc), requirePreflight=True)
+    values.write_text(yaml.safe_dump(data))
+    t0 = time.monotonic()
+    env.helm_run("upgrade", "--install", RELEASE, str(CHART), "-n", NS, "--create-namespace", "-f", str(values))
+
+    def controller_job() -> dict[str, Any] | None:
+        jobs = env.api.request(
+            "GET", f"/apis/batch/v1/namespaces/{NS}/jobs", query={"labelSelector": "gpu-ready.io/managed-by"}
+        )["items"]
+        return jobs[0] if jobs else None
+
+    def diag() -> str:
+        pods = env.api.request("GET", f"/api/v1/namespaces/{NS}/pods")["items"]
+        ctl = [p for p in pods if p["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "controller"]
+        logs = "\n".join(env.node.pod_log(NS, p["metadata"]["name"], "controller")[-2000:] for p in ctl)
+        st = [(p["metadata"]["name"], p.get("status", {}).get("phase"), p["spec"].get("nodeName")) for p in pods]
+        return f"--- pods ---\n{st}\n--- controller ---\n{logs}\n{env.diag()}"
+
+    try:
+        job = wait_for(controller_job, 300, 0.5, "the controller's preflight Job")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{diag()}") from None
+    TIMES["auto: helm upgrade -> controller Job created s"] = time.monotonic() - t0
+    assert job["spec"]["template"]["spec"]["nodeName"] == NODE
+    name = job["metadata"]["name"]
+
+    def finished() -> dict[str, Any] | None:
+        j = env.api.request("GET", f"/apis/batch/v1/namespaces/{NS}/jobs/{name}")
+        st = j.get("status", {})
+        return j if st.get("succeeded") or st.get("failed") else None
+
+    try:
+        done = wait_for(finished, 300, 0.5, "the controller's preflight Job to finish")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{diag()}") from None
+    assert done["status"].get("succeeded") == 1, f"{done['status']}\n{diag()}"
+    pod = next(
+        p
+        for p in env.api.request("GET", f"/api/v1/namespaces/{NS}/pods", query={"labelSelector": f"job-name={name}"})[
+            "items"
+        ]
+    )
+    gates = next(s for s in pod["status"]["initContainerStatuses"] if s["name"] == "gates")["state"]["terminated"]
+    gates_s = (
+        datetime.fromisoformat(gates["finishedAt"].replace("Z", "+00:00"))
+        - datetime.fromisoformat(gates["startedAt"].replace("Z", "+00:00"))
+    ).total_seconds()
+    labels = env.api.get_node(NODE)["metadata"]["labels"]
+    assert labels.get("preflight") == "passed" and NEEDS not in labels, labels
+    c = wait_for(lambda: (c := env.gpu_ready()) and c["status"] == "True" and c, 120, 0.2, "GPUReady=True")
+    assert c["status"] == "True"
+    assert wait_for(
+        lambda: all(t["key"] != startup["key"] for t in env.api.get_node(NODE)["spec"].get("taints", [])),
+        120,
+        0.2,
+        "the startup taint removed",
+    )
+    assert not env.api.get_node(NODE)["spec"].get("unschedulable")
+    gpu = f"gpu-work-{int(time.time())}"
+    env.api.request(
+        "POST",
+        f"/api/v1/namespaces/{NS}/pods",
+        {
+            "metadata": {"name": gpu},
+            "spec": {
+                "containers": [
+                    {"name": "c", "image": env.images.pause, "resources": {"limits": {"nvidia.com/gpu": "1"}}}
+                ],
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+            },
+        },
+    )
+
+    def bound() -> bool:
+        # the device plugin's stand-in: kubelet zeroes an extended resource no plugin serves, so keep it advertised
+        if env.api.get_node(NODE)["status"].get("allocatable", {}).get("nvidia.com/gpu", "0") == "0":
+            _advertise_gpus(env, len(sim.gpus))
+        return env.api.request("GET", f"/api/v1/namespaces/{NS}/pods/{gpu}")["spec"].get("nodeName") == NODE
+
+    try:
+        wait_for(bound, 120, 0.2, "the GPU Pod bound")
+    except AssertionError as e:
+        pod = env.api.request("GET", f"/api/v1/namespaces/{NS}/pods/{gpu}")
+        raise AssertionError(f"{e}\n{pod.get('status')}\n{env.api.get_node(NODE)['spec']}") from None
+    took = time.monotonic() - t0
+    TIMES["auto: join (helm upgrade) -> GPU Pod bound s"] = took
+    TIMES["auto: of which the gates container s"] = gates_s
+    print(f"\n[real node] automatic preflight: join -> GPU Pod bound {took:.1f} s, of which the gates {gates_s:.1f} s")
+    env.api.request("DELETE", f"/api/v1/namespaces/{NS}/pods/{gpu}")
+
+    # a fatal Xid on the real /dev/kmsg (a record from user space: the agent counts it with the trust seam on)
+    data["agent"]["extraEnv"] = [*data["agent"]["extraEnv"], *TRUST_USER]
+    values.write_text(yaml.safe_dump(data))
+    env.helm_run("upgrade", RELEASE, str(CHART), "-n", NS, "-f", str(values))
+    with open("/dev/kmsg", "w") as fh:
+        fh.write(f"<3>{sim.xid_line(79, 3)}\n")
+    try:  # only the new agent (trusting user-space records) latches it, and then labels the node
+        wait_for(lambda: env.api.get_node(NODE)["metadata"]["labels"].get(NEEDS) == "true", 240, 0.2, NEEDS)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{env.diag()}") from None
+    assert wait_for(lambda: (c := env.gpu_ready()) and c["reason"] == "FatalXid", 60, 0.2, "FatalXid")
+
+
+def test_controller_a_failing_gate_leaves_the_node_failed_and_cordoned_and_the_retry_cap_holds(env: Env) -> None:
+    """The same automatic flow with a gate that fails (the profile asks for 9 GPUs, the host has 8): each run
+    labels preflight=failed and keeps the node cordoned, the PreflightFailed Event names the gate, and after
+    maxFailures (2 here, backoff 1 s) the controller stops: PreflightGaveUp, no third Job."""
+    import urllib.request
+
+    sim = env.sim or _world_readable_sim(env, "gpu-ready-auto-")
+    env.sim = sim
+    if env.state_dir is None:
+        from testkit.controlplane import free_port
+
+        env.state_dir = Path(tempfile.mkdtemp(prefix="gpu-ready-auto-state-"))
+        env.extra.setdefault("cleanup", []).append(env.state_dir)
+        env.metrics_port = free_port()
+    env.api.patch_node(NODE, {"metadata": {"labels": {NEEDS: "true", "preflight": None}}})
+    values = env.values(
+        **{
+            "preflight.enabled": True,
+            "preflight.auto.enabled": True,
+            "preflight.auto.replicas": 1,
+            "preflight.auto.maxFailures": 2,
+            "preflight.auto.backoffSeconds": 1,
+            "preflight.auto.tolerations": [{"operator": "Exists"}],
+            "preflight.profile": {**H100_SPEC, "gpuCount": 9, "allowSkip": ["burnin", "nvlink", "cuda", "serving"]},
+            "preflight.extraArgs": [f"--nvidia-smi={sim.nvidia_smi}", "--gates=spec"],
+            "extraVolumes": [{"name": "simhost", "hostPath": {"path": str(sim.root.parent), "type": "Directory"}}],
+            "extraVolumeMounts": [{"name": "simhost", "mountPath": str(sim.root.parent)}],
+        }
+    )
+    data = yaml.safe_load(values.read_text())
+    data["config"].update(nvidiaSmi=str(sim.nvidia_smi), sysfsRoot=str(sim.sysfs), devRoot=str(sim.dev))
+    data["config"].update(procRoot=str(sim.proc), requirePreflight=True)
+    values.write_text(yaml.safe_dump(data))
+    env.helm_run("upgrade", "--install", RELEASE, str(CHART), "-n", NS, "--create-namespace", "-f", str(values))
+
+    def events(reason: str) -> list[dict[str, Any]]:
+        items = env.api.request("GET", "/apis/events.k8s.io/v1/namespaces/default/events")["items"]
+        return [e for e in items if e.get("reason") == reason and e["regarding"].get("name") == NODE]
+
+    try:
+        wait_for(lambda: events("PreflightGaveUp"), 420, 0.5, "PreflightGaveUp")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{env.diag()}") from None
+    jobs = env.api.request(
+        "GET", f"/apis/batch/v1/namespaces/{NS}/jobs", query={"labelSelector": "gpu-ready.io/managed-by"}
+    )["items"]
+    assert len(jobs) == 2 and all(j["status"].get("failed") for j in jobs), [j["status"] for j in jobs]
+    node = env.api.get_node(NODE)
+    assert node["metadata"]["labels"].get("preflight") == "failed" and node["spec"].get("unschedulable") is True
+    assert node["metadata"]["labels"].get(NEEDS) == "true"
+    failed = events("PreflightFailed")
+    assert failed and "spec" in failed[-1]["note"], failed[-1:]
+    text = urllib.request.urlopen("http://127.0.0.1:9466/metrics", timeout=5).read().decode()
+    assert "gpu_ready_preflight_gave_up_nodes 1.0" in text
+    assert (cond := env.gpu_ready()) is not None and cond["status"] == "False"

@@ -486,11 +486,20 @@ class FenceReporter:
         self._last_key: tuple[Any, ...] | None = None
         self._listed_at = 0.0
         self.node_uid: str | None = None  # read once, only for a node name over LONG_NODE characters
+        # The fleet brake (act/brake.py): while it holds this node, NoExecute rules are written as NoSchedule.
+        self.brake: Callable[[], bool] | None = None
+
+    def effective(self) -> FencingSettings:
+        """The settings this reconcile applies: the fleet brake turns a NoExecute effect into NoSchedule."""
+        s = self.settings
+        if s.effect is FenceEffect.NO_EXECUTE and self.brake is not None and self.brake():
+            return replace(s, effect=FenceEffect.NO_SCHEDULE)
+        return s
 
     def _key(self, verdict: Verdict, inventory: DraInventory | None) -> tuple[Any, ...]:
         """What a reconcile depends on besides the rules themselves."""
         view = fence_view(verdict)
-        want, _, unknown = desired_rules(view, inventory, self.node, self.settings)
+        want, _, unknown = desired_rules(view, inventory, self.node, self.effective())
         rules = tuple((d.driver, d.pool, d.device, d.reason, d.effect) for d in want)
         unjudged = frozenset(view.unjudged.items())
         return (rules, view.healthy, view.hold_all, view.hold_reasons, unjudged, frozenset(unknown), verdict.status)
@@ -569,7 +578,7 @@ class FenceReporter:
             result.errors.append(f"cannot list DeviceTaintRules: {e}")
             return self._done(result)
         view = fence_view(verdict)
-        plan = plan_fencing(view, inventory, existing, self.node, self.settings, verdict.status, uid)
+        plan = plan_fencing(view, inventory, existing, self.node, self.effective(), verdict.status, uid)
         result.plan = plan
         if plan.waiting:  # names free up with this reconcile's deletes: plan again at the next one
             self._last_key = None
@@ -606,7 +615,7 @@ class FenceReporter:
             result.errors.append(f"cannot list DeviceTaintRules: {e}")
             return result
         view = fence_view(verdict)
-        result.plan = plan_fencing(view, inventory, existing, self.node, self.settings, verdict.status, uid)
+        result.plan = plan_fencing(view, inventory, existing, self.node, self.effective(), verdict.status, uid)
         result.fenced = tuple(_fenced(r) for r in sorted(existing, key=lambda r: r.name))
         return result
 

@@ -116,8 +116,11 @@ def plan_taints(
     settings: TaintSettings,
     startup_gate_open: bool,
     ctype: str = "GPUReady",
+    brake: bool = False,
 ) -> TaintPlan:
     """What gpu-ready's taint should become. Pure: no I/O, no clock.
+
+    `brake`: the fleet brake holds this node (act/brake.py): no NoExecute is added (one already there stays).
 
     `startup_gate_open` is True when nothing but the verdict holds the gate: preflight=passed when
     requirePreflight is on, always True otherwise. Only entries with gpu-ready's key are ever planned.
@@ -134,15 +137,16 @@ def plan_taints(
     if status is Status.UNKNOWN and not settings.unknown_as_false:
         return TaintPlan()  # could not check: leave the taint as it is
     want = {NO_SCHEDULE}
-    if settings.no_execute_on_fatal and latched_fatal:
+    if settings.no_execute_on_fatal and latched_fatal and (not brake or NO_EXECUTE in ours):
         want.add(NO_EXECUTE)
     add = tuple(e for e in EFFECTS if e in want and e not in ours)
     remove = tuple(sorted(ours - want))
     if not add and not remove:
         return TaintPlan()
-    return TaintPlan(
-        add, remove, f"{ctype}={status.value} ({reason})" + (", fatal fault latched" if latched_fatal else "")
-    )
+    why = f"{ctype}={status.value} ({reason})" + (", fatal fault latched" if latched_fatal else "")
+    if brake and settings.no_execute_on_fatal and latched_fatal and NO_EXECUTE not in want:
+        why += "; fleet brake: no NoExecute"
+    return TaintPlan(add, remove, why)
 
 
 def rfc3339(ts: float) -> str:
@@ -198,6 +202,7 @@ class TaintReporter:
         self.events = events
         self.metrics = metrics
         self.wall = wall
+        self.brake: Callable[[], bool] | None = None  # the fleet brake (act/brake.py): True holds NoExecute back
         self.mono = mono
         self.attempts = max(1, attempts)
         self.retry_cap_s = retry_cap_s
@@ -274,6 +279,7 @@ class TaintReporter:
                 self.settings,
                 startup_gate_open,
                 self.ctype,
+                brake=self.brake is not None and self.brake(),
             )
             if not plan:
                 self._observe(current)

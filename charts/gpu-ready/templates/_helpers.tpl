@@ -63,6 +63,30 @@ repository:tag (tag defaults to the chart's appVersion). */ -}}
 {{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "gpu-ready.serviceAccountName" .) -}}
 {{- end -}}
 
+{{- /* "true" when the agent labels its own Node <preflight.needsLabel>=true after a GPU fault latches:
+       config.preflightAfterFault, which follows config.requirePreflight when unset. */ -}}
+{{- define "gpu-ready.marksAfterFault" -}}
+{{- $v := index .Values.config "preflightAfterFault" -}}
+{{- if kindIs "invalid" $v }}{{ toString (eq (toString .Values.config.requirePreflight) "true") }}{{ else }}{{ toString (eq (toString $v) "true") }}{{ end -}}
+{{- end -}}
+
+{{- /* The controller (preflight.auto): its ServiceAccount user, name and the brake ConfigMap's name. */ -}}
+{{- define "gpu-ready.controllerName" -}}
+{{- printf "%s-controller" (include "gpu-ready.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "gpu-ready.controllerUser" -}}
+{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "gpu-ready.controllerName" .) -}}
+{{- end -}}
+
+{{- define "gpu-ready.brakeName" -}}
+{{- printf "%s-brake" (include "gpu-ready.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "gpu-ready.brakeOn" -}}
+{{- toString (and .Values.preflight.auto.enabled .Values.preflight.auto.brake.enabled) -}}
+{{- end -}}
+
 {{- define "gpu-ready.preflightUser" -}}
 {{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "gpu-ready.preflightName" .) -}}
 {{- end -}}
