@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any
 
-from bench import fleet, footprint, latency, multinode, npd_compare, parsing, recovery, storm, write_rate
+from bench import controller, fleet, footprint, latency, multinode, npd_compare, parsing, recovery, storm, write_rate
 from bench.common import OUT, machine, table
 from testkit.controlplane import ControlPlane
 
@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--recovery-reps", type=int, default=10)
     ap.add_argument("--npd-steady-seconds", type=float, default=600, help="both agents idle side by side")
     ap.add_argument("--fleet-nodes", type=int, default=200)
+    ap.add_argument("--controller-nodes", type=int, default=1000)
+    ap.add_argument("--controller-seconds", type=float, default=120)
     a = ap.parse_args()
     t0 = time.monotonic()
     with ControlPlane() as cp:
@@ -45,6 +47,9 @@ def main() -> None:
         print("[bench] fleet: API cost per node beside kubelet's (its own control plane) ...", flush=True)
         with ControlPlane() as fleet_cp:  # alone on its apiserver: the footprint agent would blur its counts
             fl = fleet.run(fleet_cp, nodes=a.fleet_nodes)
+        print(f"[bench] gpu-ready controller watching {a.controller_nodes} GPU Nodes (its own control plane) ...")
+        with ControlPlane() as ctl_cp:  # alone on its apiserver, as the fleet run
+            ctl = controller.run(ctl_cp, nodes=a.controller_nodes, seconds=a.controller_seconds, flips=5)
         print("[bench] waiting for the footprint run to reach its duration ...", flush=True)
         fp = footprint.finish(fp_agent, fp_sampler, a.footprint_seconds)
     print()
@@ -52,7 +57,7 @@ def main() -> None:
     print(
         summary(
             {"latency": lat, "storm": st, "write_rate": wr, "npd_compare": npd, "footprint": fp, "fleet": fl}
-            | {"parsing": parse, "multinode": mn, "recovery": rec}
+            | {"parsing": parse, "multinode": mn, "recovery": rec, "controller": ctl}
         )
     )
     print(ratios(npd))
@@ -85,6 +90,32 @@ def multinode_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             "< 1 ms",
             "ok" if m["multinode_per_poll_ms"] < 1 else "MISSED",
         )
+    ]
+
+
+def controller_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """The controller's API cost and footprint watching simulated GPU Nodes (bench/controller.py), when it was run."""
+    c = r.get("controller")
+    if c is None:
+        return []
+    watch = c["agent_brake_watch_requests"]
+    return [
+        (
+            f"gpu-ready controller watching {c['nodes']} GPU Nodes: API requests/h at rest / with brake flips; "
+            "RSS; CPU at rest / with flips",
+            f"{c['controller_requests_per_hour_at_rest']} / "
+            f"{c['controller_requests_per_hour_with_brake_flips']} req/h; "
+            f"{c['controller_rss_mib_max']} MiB; {c['controller_cpu_millicores_at_rest']} / "
+            f"{c['controller_cpu_millicores']} mc",
+            "< 3,600 req/h at rest (its Lease's renewals and two watches; nothing per Node)",
+            "ok" if c["controller_requests_per_hour_at_rest"] < 3600 else "MISSED",
+        ),
+        (
+            "each agent's fleet-brake watch (one ConfigMap): requests by verb",
+            ", ".join(f"{k} {v}" for k, v in sorted(watch.items())) + f"; {c['agent_brake_watch_events']} events",
+            "one WATCH, no GET per poll",
+            "ok" if not watch.get("GET") else "MISSED",
+        ),
     ]
 
 
@@ -138,6 +169,7 @@ def summary(r: dict[str, Any]) -> str:
             ok(max(r["parsing"][k] for k in PARSE_ROWS) < 1000),
         ),
         *multinode_rows(r),
+        *controller_rows(r),
         *(
             [
                 (
