@@ -6,6 +6,7 @@ every GPU again), and the chart's release with recovery on."""
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,9 +126,11 @@ class Node:
         return next((c for c in node["status"].get("conditions", []) if c["type"] == "GPUReady"), None)
 
 
-def recovery_release(cp: ControlPlane, kc: Path, name: str = "rec") -> tuple[Release, str, str]:
+def recovery_release(
+    cp: ControlPlane, kc: Path, name: str = "rec", extra: Sequence[str] = ()
+) -> tuple[Release, str, str]:
     """The plugin DaemonSet (in a namespace of its own) and the chart's release with recovery, evict and that
-    plugin on. Returns (release, plugin namespace, DaemonSet UID)."""
+    plugin on, plus the `extra` values. Returns (release, plugin namespace, DaemonSet UID)."""
     admin = cp.admin()
     try:
         plugin_ns = f"plug-{secrets.token_hex(3)}"
@@ -151,5 +154,6 @@ def recovery_release(cp: ControlPlane, kc: Path, name: str = "rec") -> tuple[Rel
     values = [
         *("--set", "recovery.enabled=true", "--set", "recovery.evict=true", "--set", "podResources.enabled=true"),
         *("--set", f"recovery.devicePlugin.namespace={plugin_ns}", "--set", f"recovery.devicePlugin.daemonSet={DS}"),
+        *extra,
     ]
     return apply_release(cp, kc, name, values), plugin_ns, str(ds["metadata"]["uid"])
