@@ -833,7 +833,7 @@ def test_controller_a_rebooted_node_stays_not_ready_until_preflight_passes_again
                 "False/PreflightNotPassed from the new boot's agent",
             )
         except AssertionError as e:
-            raise AssertionError(f"{e}\n{env.diag()}") from None
+            raise AssertionError(f"{e}: GPUReady {env.gpu_ready()}\n{env.diag()}") from None
     assert c["status"] == "False" and "Xid" not in c["message"], c
     assert s.statuses() == {"False"}, f"the rebooted node read {s.statuses()} before preflight: {s.seen[-5:]}"
     new_log = env.node.pod_log(NS, new["metadata"]["name"], "gpu-ready")
