@@ -713,6 +713,165 @@ def test_controller_runs_preflight_on_a_joining_node_then_a_gpu_pod_binds(env: E
     assert wait_for(lambda: (c := env.gpu_ready()) and c["reason"] == "FatalXid", 60, 0.2, "FatalXid")
 
 
+CONTROLLER = f"{RELEASE}-controller"  # the chart's controller Deployment (gpu-ready.controllerName)
+MANAGED = {"labelSelector": "gpu-ready.io/managed-by"}  # the Jobs the controller created
+
+
+def _managed_jobs(env: Env) -> list[dict[str, Any]]:
+    return env.api.request("GET", f"/apis/batch/v1/namespaces/{NS}/jobs", query=MANAGED)["items"]
+
+
+def _finished(job: dict[str, Any]) -> bool:
+    st = job.get("status", {})
+    return bool(st.get("succeeded") or st.get("failed"))
+
+
+def _delete_job(env: Env, name: str) -> None:
+    query = {"propagationPolicy": "Background"}  # its pod goes with it (garbage collector)
+    env.api.request("DELETE", f"/apis/batch/v1/namespaces/{NS}/jobs/{name}", query=query)
+
+
+def _scale_controller(env: Env, replicas: int) -> None:
+    env.api.request(
+        "PATCH",
+        f"/apis/apps/v1/namespaces/{NS}/deployments/{CONTROLLER}/scale",
+        {"spec": {"replicas": replicas}},
+        "application/merge-patch+json",
+    )
+
+
+def _controller_pods(env: Env) -> list[dict[str, Any]]:
+    query = {"labelSelector": "app.kubernetes.io/component=controller"}
+    return env.api.request("GET", f"/api/v1/namespaces/{NS}/pods", query=query)["items"]
+
+
+def _gpu_ready_advertised(env: Env, n: int) -> dict[str, Any] | None:
+    """GPUReady, keeping the device plugin's stand-in advertisement up (kubelet zeroes an extended resource no
+    plugin serves, and the agent would then report the plugin, not what a test waits for)."""
+    if env.api.get_node(NODE)["status"].get("allocatable", {}).get("nvidia.com/gpu", "0") == "0":
+        _advertise_gpus(env, n)
+    return env.gpu_ready()
+
+
+def test_controller_a_rebooted_node_stays_not_ready_until_preflight_passes_again(env: Env) -> None:
+    """Re-admission after a reboot on the real node: the node the previous test left with a latched fatal Xid and
+    `needs-preflight=true` reboots (simulated the way the agent sees one: its state file records another boot id,
+    and the new boot's kernel log holds no user-space record the agent trusts). The new agent drops the latch, but
+    with requirePreflight the node reads False/PreflightNotPassed, never True, while the label stays, although it
+    still carries `preflight=passed` from before the fault. Then the controller runs the preflight Job, the spec
+    gate passes on the simulated host, the label goes and GPUReady=True."""
+    sim, state_dir = env.sim, env.state_dir
+    assert sim is not None and state_dir is not None, "runs after the controller test, on the node it left"
+    state_file = state_dir / "state.json"
+    labels = env.api.get_node(NODE)["metadata"]["labels"]
+    assert labels.get(NEEDS) == "true", f"the previous test leaves the node labelled {NEEDS}: {labels}"
+    # The reboot's kernel log: the new boot's ring buffer holds none of the old boot's records. The real
+    # /dev/kmsg still holds the user-space Xid the previous test wrote, so the agent stops trusting user-space
+    # records (the test seam off) before the reboot; the upgrade that does it restarts the agent in the same
+    # boot, which keeps the latch (hostPath state).
+    values = env.values(
+        **{
+            "preflight.enabled": True,
+            "preflight.auto.enabled": True,
+            "preflight.auto.replicas": 1,
+            "preflight.auto.tolerations": [{"operator": "Exists"}],
+            "preflight.profile": {**H100_SPEC, "allowSkip": ["burnin", "nvlink", "cuda", "serving"]},
+            "preflight.extraArgs": [f"--nvidia-smi={sim.nvidia_smi}", "--gates=spec"],
+            "extraVolumes": [{"name": "simhost", "hostPath": {"path": str(sim.root.parent), "type": "Directory"}}],
+            "extraVolumeMounts": [{"name": "simhost", "mountPath": str(sim.root.parent)}],
+            "taints.enabled": True,
+            "taints.mode": "startup",
+            "config.pollInterval": 5,
+        }
+    )
+    data = yaml.safe_load(values.read_text())
+    data["config"].update(nvidiaSmi=str(sim.nvidia_smi), sysfsRoot=str(sim.sysfs), devRoot=str(sim.dev))
+    data["config"].update(procRoot=str(sim.proc), requirePreflight=True)
+    values.write_text(yaml.safe_dump(data))
+    old = _wait_pod_ready(env)["metadata"]["uid"]
+    env.helm_run("upgrade", RELEASE, str(CHART), "-n", NS, "-f", str(values))
+    _wait_pod_ready(env, not_uid=old)
+
+    # The controller must not act while the reboot is asserted: no replica, and no Job of its left running (one it
+    # started on the label the Xid set finishes first: a Job killed mid-run would leave the node cordoned).
+    _scale_controller(env, 0)
+    wait_for(lambda: not _controller_pods(env), 180, 0.5, "the controller's pods gone")
+    wait_for(lambda: all(_finished(j) for j in _managed_jobs(env)), 300, 0.5, "the controller's Jobs finished")
+    for j in _managed_jobs(env):
+        _delete_job(env, j["metadata"]["name"])
+    wait_for(lambda: not _managed_jobs(env), 120, 0.5, "the controller's Jobs deleted")
+    # A Job that passed while the fault was latched removed the label; the agent (still latched) put it back.
+    try:
+        wait_for(lambda: env.api.get_node(NODE)["metadata"]["labels"].get(NEEDS) == "true", 120, 0.2, NEEDS)
+        c = wait_for(lambda: (c := env.gpu_ready()) and c["reason"] == "FatalXid" and c, 120, 0.2, "FatalXid")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{env.diag()}") from None
+    assert _xid_label(env, 3) in c["message"], c
+    node = env.api.get_node(NODE)
+    assert not node["spec"].get("unschedulable"), node["spec"]
+    assert node["metadata"]["labels"].get("preflight") == "passed", "the node passed preflight before the fault"
+
+    # The reboot: the state file records another boot (rewritten atomically, as the agent writes it). The agent
+    # reads it only at start and writes it only on a change, so the running one, with nothing new to latch, leaves
+    # it as rewritten; then its pod goes and the DaemonSet starts the agent of the "new boot".
+    real_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    state = json.loads(state_file.read_text())
+    assert state["boot_id"] == real_boot and state["faults"], f"the latch is on the hostPath: {state}"
+    previous_boot = "00000000-0000-4000-8000-" + os.urandom(6).hex()
+    tmp = state_dir / ".state.json.reboot.tmp"
+    tmp.write_text(json.dumps({**state, "boot_id": previous_boot}))
+    os.replace(tmp, state_file)
+    pod = _wait_pod_ready(env)
+    with Sampler(env) as s:
+        env.api.request("DELETE", f"/api/v1/namespaces/{NS}/pods/{pod['metadata']['name']}")
+        new = _wait_pod_ready(env, not_uid=pod["metadata"]["uid"])
+        try:
+            c = wait_for(
+                lambda: (c := _gpu_ready_advertised(env, len(sim.gpus))) and c["reason"] == "PreflightNotPassed" and c,
+                240,
+                0.2,
+                "False/PreflightNotPassed from the new boot's agent",
+            )
+        except AssertionError as e:
+            raise AssertionError(f"{e}: GPUReady {env.gpu_ready()}\n{env.diag()}") from None
+    assert c["status"] == "False" and "Xid" not in c["message"], c
+    assert s.statuses() == {"False"}, f"the rebooted node read {s.statuses()} before preflight: {s.seen[-5:]}"
+    new_log = env.node.pod_log(NS, new["metadata"]["name"], "gpu-ready")
+    assert "new boot: latched faults from the previous boot dropped" in new_log, new_log[-2000:]
+    state = json.loads(state_file.read_text())
+    assert state["boot_id"] == real_boot and state["faults"] == [], state
+    labels = env.api.get_node(NODE)["metadata"]["labels"]
+    assert labels.get(NEEDS) == "true" and labels.get("preflight") == "passed", labels
+
+    # The controller runs the preflight Job; it passes and removes the label: the node is back.
+    t0 = time.monotonic()
+    _scale_controller(env, 1)
+    try:
+        job = wait_for(lambda: (js := _managed_jobs(env)) and js[0], 300, 0.5, "the controller's preflight Job")
+        name = job["metadata"]["name"]
+        done = wait_for(
+            lambda: _finished(j := env.api.request("GET", f"/apis/batch/v1/namespaces/{NS}/jobs/{name}")) and j,
+            300,
+            0.5,
+            "the preflight Job to finish",
+        )
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{env.diag()}") from None
+    assert done["status"].get("succeeded") == 1 and done["spec"]["template"]["spec"]["nodeName"] == NODE, done["status"]
+    c = wait_for(
+        lambda: (c := _gpu_ready_advertised(env, len(sim.gpus))) and c["status"] == "True" and c, 180, 0.2, "True"
+    )
+    took = TIMES["re-admission: controller back -> GPUReady=True s"] = time.monotonic() - t0
+    node = env.api.get_node(NODE)
+    assert node["metadata"]["labels"].get("preflight") == "passed" and NEEDS not in node["metadata"]["labels"]
+    assert not node["spec"].get("unschedulable")
+    assert c["reason"] == "GPUsHealthy", c
+    # The passed Job goes now (the controller deletes it 30 s after it finished): the next test counts the Jobs.
+    _delete_job(env, name)
+    wait_for(lambda: not _managed_jobs(env), 120, 0.5, "the passed Job deleted")
+    print(f"\n[real node] re-admission after a reboot: controller back -> GPUReady=True in {took:.1f} s")
+
+
 def test_controller_a_failing_gate_leaves_the_node_failed_and_cordoned_and_the_retry_cap_holds(env: Env) -> None:
     """The same automatic flow with a gate that fails (the profile asks for 9 GPUs, the host has 8): each run
     labels preflight=failed and keeps the node cordoned, the PreflightFailed Event names the gate, and after
