@@ -11,6 +11,7 @@ from agent.act.brake import Brake, engaged_for, object_ref
 from agent.act.preflight_mark import NEEDS_LABEL, needs_mark
 from agent.act.taints import NO_EXECUTE, NO_SCHEDULE, TaintMode, TaintSettings, plan_taints
 from agent.controller.plan import (
+    LATCHED_REASONS,
     JobView,
     Limits,
     NodeView,
@@ -23,6 +24,7 @@ from agent.controller.plan import (
     plan_preflight,
 )
 from agent.model import Status
+from agent.verdict import LATCHED_REASONS as VERDICT_LATCHED
 from agent.verdict import NodeFacts, node_facts
 
 NOW = 1_800_000_000.0
@@ -156,6 +158,28 @@ def test_plan_under_the_brake_starts_no_new_cordon():
     ns = nodes(NodeView("held", needs=True, held="taint"), NodeView("serving", needs=True))
     p = plan_preflight(ns, [], Limits(), NOW, brake_engaged=True)
     assert p.create == ["held"] and p.waiting == ["serving"]
+
+
+def test_a_node_whose_fault_is_still_latched_waits_for_its_remedy():
+    """Preflight on a node still reporting a latched fault would test a GPU known to be broken, and a pass would
+    take the mark away before the remedy: it waits until the latch is gone (the node reads PreflightNotPassed)."""
+    assert {r.value for r in VERDICT_LATCHED} == LATCHED_REASONS
+
+    def cond(reason: str) -> dict[str, Any]:
+        return {
+            "metadata": {"name": reason, "labels": {NEEDS_LABEL: "true"}},
+            "status": {"conditions": [{"type": "GPUReady", "status": "False", "reason": reason}]},
+        }
+
+    views = {r: node_view(cond(r), NEEDS_LABEL, "preflight", "t", "GPUReady", "") for r in
+             ("FatalXid", "GPURecoveryFailed", "PreflightNotPassed")}  # fmt: skip
+    assert [r for r, v in views.items() if v.latched] == ["FatalXid", "GPURecoveryFailed"]
+    p = plan_preflight(views, [], Limits(max_concurrent=5), NOW)
+    assert p.create == ["PreflightNotPassed"] and sorted(p.latched) == ["FatalXid", "GPURecoveryFailed"]
+    assert p.waiting == [] and p.gave_up == []
+    # its failed Jobs stay its history while it waits (still needed): no clean-up that would reset the cap
+    again = plan_preflight(views, [job("x1", "FatalXid", "failed", 1, age=5000)], Limits(), NOW)
+    assert again.delete == [] and again.create == ["PreflightNotPassed"]
 
 
 def test_startup_taint_asks_for_a_run_until_passed():

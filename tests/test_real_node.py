@@ -6,8 +6,10 @@ Network rule: the agent pod runs with hostNetwork and reaches the apiserver on 1
 KUBERNETES_SERVICE_HOST/PORT); kubelet probes it on 127.0.0.1; nothing talks to an address off loopback.
 
 The tests share one node and one release and build on each other in file order (install on a node another
-controller tainted NoSchedule -> real Xid -> upgrade during the latched fault -> SIGSTOP -> pod deleted -> token
-policy), then measure the securityContext alternatives on a fresh release. Run them alone with `make e2e`."""
+controller tainted NoSchedule -> a rail down -> real Xid -> upgrade during the latched fault -> SIGSTOP -> pod
+deleted -> token policy -> the preflight Job), then measure the securityContext alternatives on a fresh release,
+then the automatic flow with gpu-ready controller (a joining node -> a fatal Xid marks it -> a reboot keeps it out
+until preflight passes again -> a failing gate). Run them alone with `make e2e`."""
 
 from __future__ import annotations
 

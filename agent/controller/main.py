@@ -66,7 +66,7 @@ class ControllerMetrics:
         self.running = Gauge("gpu_ready_preflight_jobs_running", "preflight Jobs running", registry=r)
         self.waiting = Gauge(
             "gpu_ready_preflight_nodes_waiting",
-            "nodes that need preflight and wait (budget, backoff, brake)",
+            "nodes that need preflight and wait (budget, backoff, brake, a fault still latched)",
             registry=r,
         )
         self.gave_up = Gauge(
@@ -229,7 +229,7 @@ class Controller:
                     "recreated; see its pod's events", "Warning",
                 )  # fmt: skip
         self.m.running.set(plan.running + len(plan.create))
-        self.m.waiting.set(len(plan.waiting))
+        self.m.waiting.set(len(plan.waiting) + len(plan.latched))
         self.m.gave_up.set(len(plan.gave_up))
         self.m.stuck.set(len(plan.stuck))
 

@@ -21,6 +21,10 @@ ATTEMPT_LABEL = "gpu-ready.io/preflight-attempt"
 MANAGED_LABEL = "gpu-ready.io/managed-by"
 MANAGED_VALUE = "gpu-ready-controller"
 CORDONED_BY = "gpu-ready.io/preflight-cordoned"
+# The condition reasons of a fault the agent keeps latched until a reboot, a reset or an operator's clear (the
+# verdict's LATCHED_REASONS; a test holds the two equal). Preflight on such a node would only test a GPU known to
+# be broken: the run waits for the remedy, and a pass then cannot remove the mark while the fault still stands.
+LATCHED_REASONS = frozenset({"FatalXid", "GPURecoveryFailed"})
 _PERCENT = re.compile(r"^(\d{1,3})%$")
 
 
@@ -32,6 +36,7 @@ class NodeView:
     startup_tainted: bool = False  # carries the startup taint key the controller was told about
     held: str = ""  # why gpu-ready holds it out of service ("": it does not): taint, cordon or condition
     schedulable: bool = True
+    latched: bool = False  # its condition reports a fault still latched (FatalXid, GPURecoveryFailed)
 
 
 def node_view(
@@ -58,6 +63,9 @@ def node_view(
         startup_tainted=bool(startup_taint) and any(t.get("key") == startup_taint for t in taints),
         held=held,
         schedulable=not unschedulable,
+        latched=any(
+            c.get("type") == ctype and c.get("status") == "False" and c.get("reason") in LATCHED_REASONS for c in conds
+        ),
     )
 
 
@@ -177,6 +185,7 @@ class Plan:
     gave_up: list[str] = field(default_factory=list)  # nodes at the retry cap (report once)
     stuck: list[str] = field(default_factory=list)  # Jobs not running after pending_timeout (report once)
     waiting: list[str] = field(default_factory=list)  # nodes that need a run and wait (budget, backoff, brake)
+    latched: list[str] = field(default_factory=list)  # nodes that need a run and wait for their fault's remedy
     running: int = 0
 
 
@@ -243,6 +252,9 @@ def plan_preflight(
             if now < last + limits.backoff_s * (2 ** (len(failures) - 1)):
                 plan.waiting.append(name)
                 continue
+        if v.latched:
+            plan.latched.append(name)  # a reboot, a reset or an operator's clear comes first
+            continue
         if brake_engaged and not v.held:
             plan.waiting.append(name)  # the cordon would take one more node out while the fleet is over budget
             continue
