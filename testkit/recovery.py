@@ -126,6 +126,24 @@ class Node:
         return next((c for c in node["status"].get("conditions", []) if c["type"] == "GPUReady"), None)
 
 
+def create_plugin_daemonset(admin: KubeApi, namespace: str) -> dict[str, Any]:
+    """The device plugin DaemonSet recovery restarts, placed nowhere (the tests make its pods themselves)."""
+    return admin.request(
+        "POST",
+        f"/apis/apps/v1/namespaces/{namespace}/daemonsets",
+        {
+            "metadata": {"name": DS},
+            "spec": {
+                "selector": {"matchLabels": {"app": DS}},
+                "template": {
+                    "metadata": {"labels": {"app": DS}},
+                    "spec": {"nodeSelector": {"no-such-node": "x"}, "containers": [{"name": "p", "image": "x"}]},
+                },
+            },
+        },
+    )
+
+
 def recovery_release(
     cp: ControlPlane, kc: Path, name: str = "rec", extra: Sequence[str] = ()
 ) -> tuple[Release, str, str]:
@@ -135,20 +153,7 @@ def recovery_release(
     try:
         plugin_ns = f"plug-{secrets.token_hex(3)}"
         ensure_namespace(admin, plugin_ns)
-        ds = admin.request(
-            "POST",
-            f"/apis/apps/v1/namespaces/{plugin_ns}/daemonsets",
-            {
-                "metadata": {"name": DS},
-                "spec": {
-                    "selector": {"matchLabels": {"app": DS}},
-                    "template": {
-                        "metadata": {"labels": {"app": DS}},
-                        "spec": {"nodeSelector": {"no-such-node": "x"}, "containers": [{"name": "p", "image": "x"}]},
-                    },
-                },
-            },
-        )
+        ds = create_plugin_daemonset(admin, plugin_ns)
     finally:
         admin.close()
     values = [

@@ -23,9 +23,9 @@ from testkit.chart import Release, apply_release, by_kind, render
 from testkit.cluster import bound_token, create_node, ensure_namespace
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
+from testkit.recovery import DS, create_plugin_daemonset
 from testkit.security import denied_by, denied_by_policy
 
-DS = "nvidia-device-plugin"
 POLICY = "policy recovery-pods"
 
 
@@ -151,20 +151,7 @@ def rec_cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFa
     plugin_ns, ns = f"plug-{secrets.token_hex(3)}", f"work-{secrets.token_hex(3)}"
     for n in (plugin_ns, ns):
         ensure_namespace(admin, n)
-    ds = admin.request(
-        "POST",
-        f"/apis/apps/v1/namespaces/{plugin_ns}/daemonsets",
-        {
-            "metadata": {"name": DS},
-            "spec": {
-                "selector": {"matchLabels": {"app": DS}},
-                "template": {
-                    "metadata": {"labels": {"app": DS}},
-                    "spec": {"nodeSelector": {"no-such-node": "x"}, "containers": [{"name": "p", "image": "x"}]},
-                },
-            },
-        },
-    )
+    ds = create_plugin_daemonset(admin, plugin_ns)
     full = apply_release(control_plane, kc, "secr", values(plugin_ns, True))
     no_evict = apply_release(control_plane, kc, "secs", values(plugin_ns, False))
     off = apply_release(control_plane, kc, "sect", [])
