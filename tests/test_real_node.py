@@ -596,20 +596,7 @@ def test_controller_runs_preflight_on_a_joining_node_then_a_gpu_pod_binds(env: E
         NODE,
         {"metadata": {"labels": {NEEDS: "true", "preflight": None}}, "spec": {"taints": [*others, startup]}},
     )
-    values = env.values(
-        **{
-            "preflight.enabled": True,
-            "preflight.auto.enabled": True,
-            "preflight.auto.replicas": 1,
-            "preflight.auto.tolerations": [{"operator": "Exists"}],
-            "preflight.profile": {**H100_SPEC, "allowSkip": ["burnin", "nvlink", "cuda", "serving"]},
-            "preflight.extraArgs": [f"--nvidia-smi={sim.nvidia_smi}", "--gates=spec"],
-            "extraVolumes": [{"name": "simhost", "hostPath": {"path": str(sim.root.parent), "type": "Directory"}}],
-            "extraVolumeMounts": [{"name": "simhost", "mountPath": str(sim.root.parent)}],
-            "taints.enabled": True,
-            "taints.mode": "startup",
-        }
-    )
+    values = _auto_preflight_values(env, sim, **{"taints.enabled": True, "taints.mode": "startup"})
     data = yaml.safe_load(values.read_text())
     data["config"].update(nvidiaSmi=str(sim.nvidia_smi), sysfsRoot=str(sim.sysfs), devRoot=str(sim.dev))
     data["config"].update(procRoot=str(sim.proc), requirePreflight=True)
@@ -719,6 +706,28 @@ CONTROLLER = f"{RELEASE}-controller"  # the chart's controller Deployment (gpu-r
 MANAGED = {"labelSelector": "gpu-ready.io/managed-by"}  # the Jobs the controller created
 
 
+def _auto_preflight_values(env: Env, sim: SimHost, gpu_count: int | None = None, **over: Any) -> Path:
+    """The values of the automatic flow: gpu-ready controller on (one replica, placed on the tainted node), the
+    preflight Job's spec gate on the simulated host mounted into it (its profile expecting `gpu_count` GPUs when
+    given), plus `over`."""
+    profile = {**H100_SPEC, "allowSkip": ["burnin", "nvlink", "cuda", "serving"]}
+    if gpu_count is not None:
+        profile["gpuCount"] = gpu_count
+    return env.values(
+        **{
+            "preflight.enabled": True,
+            "preflight.auto.enabled": True,
+            "preflight.auto.replicas": 1,
+            "preflight.auto.tolerations": [{"operator": "Exists"}],
+            "preflight.profile": profile,
+            "preflight.extraArgs": [f"--nvidia-smi={sim.nvidia_smi}", "--gates=spec"],
+            "extraVolumes": [{"name": "simhost", "hostPath": {"path": str(sim.root.parent), "type": "Directory"}}],
+            "extraVolumeMounts": [{"name": "simhost", "mountPath": str(sim.root.parent)}],
+            **over,
+        }
+    )
+
+
 def _managed_jobs(env: Env) -> list[dict[str, Any]]:
     return env.api.request("GET", f"/apis/batch/v1/namespaces/{NS}/jobs", query=MANAGED)["items"]
 
@@ -771,20 +780,8 @@ def test_controller_a_rebooted_node_stays_not_ready_until_preflight_passes_again
     # /dev/kmsg still holds the user-space Xid the previous test wrote, so the agent stops trusting user-space
     # records (the test seam off) before the reboot; the upgrade that does it restarts the agent in the same
     # boot, which keeps the latch (hostPath state).
-    values = env.values(
-        **{
-            "preflight.enabled": True,
-            "preflight.auto.enabled": True,
-            "preflight.auto.replicas": 1,
-            "preflight.auto.tolerations": [{"operator": "Exists"}],
-            "preflight.profile": {**H100_SPEC, "allowSkip": ["burnin", "nvlink", "cuda", "serving"]},
-            "preflight.extraArgs": [f"--nvidia-smi={sim.nvidia_smi}", "--gates=spec"],
-            "extraVolumes": [{"name": "simhost", "hostPath": {"path": str(sim.root.parent), "type": "Directory"}}],
-            "extraVolumeMounts": [{"name": "simhost", "mountPath": str(sim.root.parent)}],
-            "taints.enabled": True,
-            "taints.mode": "startup",
-            "config.pollInterval": 5,
-        }
+    values = _auto_preflight_values(
+        env, sim, **{"taints.enabled": True, "taints.mode": "startup", "config.pollInterval": 5}
     )
     data = yaml.safe_load(values.read_text())
     data["config"].update(nvidiaSmi=str(sim.nvidia_smi), sysfsRoot=str(sim.sysfs), devRoot=str(sim.dev))
@@ -889,19 +886,8 @@ def test_controller_a_failing_gate_leaves_the_node_failed_and_cordoned_and_the_r
         env.extra.setdefault("cleanup", []).append(env.state_dir)
         env.metrics_port = free_port()
     env.api.patch_node(NODE, {"metadata": {"labels": {NEEDS: "true", "preflight": None}}})
-    values = env.values(
-        **{
-            "preflight.enabled": True,
-            "preflight.auto.enabled": True,
-            "preflight.auto.replicas": 1,
-            "preflight.auto.maxFailures": 2,
-            "preflight.auto.backoffSeconds": 1,
-            "preflight.auto.tolerations": [{"operator": "Exists"}],
-            "preflight.profile": {**H100_SPEC, "gpuCount": 9, "allowSkip": ["burnin", "nvlink", "cuda", "serving"]},
-            "preflight.extraArgs": [f"--nvidia-smi={sim.nvidia_smi}", "--gates=spec"],
-            "extraVolumes": [{"name": "simhost", "hostPath": {"path": str(sim.root.parent), "type": "Directory"}}],
-            "extraVolumeMounts": [{"name": "simhost", "mountPath": str(sim.root.parent)}],
-        }
+    values = _auto_preflight_values(
+        env, sim, gpu_count=9, **{"preflight.auto.maxFailures": 2, "preflight.auto.backoffSeconds": 1}
     )
     data = yaml.safe_load(values.read_text())
     data["config"].update(nvidiaSmi=str(sim.nvidia_smi), sysfsRoot=str(sim.sysfs), devRoot=str(sim.dev))
