@@ -179,7 +179,13 @@ class CheckSuite:
             clock=clock,
             smi=NvidiaSmiRunner(cfg.nvidia_smi, cfg.nvidia_smi_timeout),
             xid_rate=XidRateTracker(
-                XidRateThresholds(cfg.xid_rate, cfg.xid_rate_count, cfg.xid_rate_window, frozenset(cfg.xid_rate_ignore))
+                XidRateThresholds(
+                    cfg.xid_rate,
+                    cfg.xid_rate_count,
+                    cfg.xid_rate_window,
+                    frozenset(cfg.xid_rate_ignore),
+                    burst_s=cfg.xid_rate_burst,
+                )
             ),
             api=api,
             started=clock(),

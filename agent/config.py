@@ -273,6 +273,7 @@ class Config:
     xid_rate_count: int
     xid_rate_window: float
     xid_rate_ignore: tuple[int, ...]
+    xid_rate_burst: float
     fencing: bool
     fencing_effect: str
     fencing_max_rules: int

@@ -670,11 +670,12 @@ class SimHost:
 
     # -- kernel log ----------------------------------------------------------------------------------
 
-    def append_kmsg(self, *texts: str, facility: int = 0, level: int = 3) -> None:
+    def append_kmsg(self, *texts: str, facility: int = 0, level: int = 3, apart_s: float = 0.001) -> None:
+        """Appends records `apart_s` seconds apart in kernel-log time (1 ms: one burst, as a fault prints it)."""
         with open(self.kmsg, "a", encoding="utf-8") as fh:
             for t in texts:
                 self._seq += 1
-                self._usec += 1000
+                self._usec += max(1, int(apart_s * 1_000_000))
                 fh.write(format_record(t, self._seq, self._usec, facility, level))
 
     def skip_seq(self, n: int) -> None:
@@ -686,8 +687,10 @@ class SimHost:
         default = {79: "GPU has fallen off the bus."}.get(xid, "Graphics Exception")
         return f"NVRM: Xid (PCI:{a.kernel}): {xid}, pid='<unknown>', name=<unknown>, {text or default}"
 
-    def append_xid(self, xid: int, gpu: int = 0, text: str | None = None) -> None:
-        self.append_kmsg(self.xid_line(xid, gpu, text))
+    def append_xid(self, xid: int, gpu: int = 0, text: str | None = None, apart_s: float = 0.001) -> None:
+        """One Xid record, `apart_s` seconds of kernel-log time after the previous record (give a few seconds for
+        a separate occurrence: records within a second of each other are one burst to the Xid rate)."""
+        self.append_kmsg(self.xid_line(xid, gpu, text), apart_s=apart_s)
 
     def new_boot(self) -> str:
         bid = str(uuid.uuid4())

@@ -320,7 +320,7 @@ def test_xid_rate_degraded_until_the_window_is_clean(simhost: SimHost):
         tr.observe(evs, t)
     f = tr.findings(240.0)
     assert [(x.gpu, x.reason, x.kind) for x in f] == [(simhost.gpus[2].address, Reason.GPU_DEGRADED, "xid_rate")]
-    assert f[0].message == "Xid 31 repeated: 3 or more within 10 min (3 in the last window)"
+    assert f[0].message == "Xid 31 repeated: 3 or more within 10 min (3 occurrences in the last window)"
     assert tr.findings(800.0) != []  # 240 + 600 > 800: the window still holds one
     tr.observe(evs, 820.0)  # a new one keeps it degraded
     assert tr.findings(1400.0) != []
@@ -337,6 +337,53 @@ def test_xid_rate_counts_per_gpu_and_xid_and_skips_fatal(simhost: SimHost):
     assert fatal and all(e.fatal for e in fatal)
     tr.observe(fatal, 1.0)
     assert tr.findings(1.0) == []
+
+
+def _kernel_log_times(name: str) -> list[tuple[str, float]]:
+    """The lines of a real `dmesg --time-format iso` capture, each with its time in seconds."""
+    from datetime import datetime
+
+    out = []
+    for line in fixture_path(name).read_text().splitlines():
+        m = re.search(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d),(\d+)([+-]\d\d:\d\d)", line)
+        assert m, line
+        at = datetime.fromisoformat(f"{m[1]}{m[3]}").timestamp() + float(f"0.{m[2]}")
+        out.append((line[line.index("NVRM:") :], at))
+    return out
+
+
+def test_xid_rate_one_fault_printing_a_burst_is_one_occurrence():
+    """A real H100 kernel log: one out-of-range access printed 15 Xid 13 lines (one per SM, TPC and ESR) within
+    2 ms. That is one occurrence, not a GPU repeating Xid 13: no GPUDegraded. The same burst three times, minutes
+    apart, is three occurrences and trips the rate."""
+    lines = _kernel_log_times("xid-lines-13-43-dmesg-decode-iso-gpud-fixture.txt")
+    parser = KernelLogParser()
+    timed = [(ev, at) for text, at in lines for ev in parser.feed(text)]
+    xid13 = [at for ev, at in timed if ev.xid == 13]
+    assert len(xid13) == 15 and max(xid13) - min(xid13) < 0.01
+    tr = XidRateTracker()
+    tr.observe_at(timed)
+    end = max(at for _, at in timed)
+    assert tr.findings(end) == []
+    for later in (120.0, 240.0):
+        tr.observe_at((ev, at + later) for ev, at in timed)
+    f = tr.findings(end + 240.0)  # the capture's Xid 13 burst and its Xid 43, each three times
+    assert [(x.gpu, x.message.split(":")[0]) for x in f] == [
+        (PciAddress(0, 0x38, 0), "Xid 13 repeated"),
+        (PciAddress(0, 0x38, 0), "Xid 43 repeated"),
+    ], f
+    assert all("(3 occurrences in the last window)" in x.message for x in f)
+
+
+def test_xid_rate_a_stream_longer_than_a_burst_still_counts(simhost: SimHost):
+    """Coalescing is per burst, not per stream: the same Xid every 0.5 s counts once a second and trips."""
+    evs = _xids(simhost, 31)
+    tr = XidRateTracker()
+    for i in range(6):
+        tr.observe(evs, i * 0.5)
+    assert tr.findings(3.0) != []
+    with pytest.raises(ValueError):
+        XidRateThresholds(burst_s=600.0)
 
 
 def test_thresholds_reject_nonsense():
@@ -481,14 +528,15 @@ def test_gpu_degraded_ranks_below_hard_faults_and_names_each_degradation(bridged
     obs = Observation(gpus={g.address: GpuIdentity(g.address, i, g.name) for i, g in enumerate(bridged.gpus)})
     obs.findings += pcie_findings(str(bridged.sysfs), addrs(bridged))
     tr = XidRateTracker()
-    tr.observe(_xids(bridged, 13, gpu=1, n=3), 0.0)
-    obs.findings += tr.findings(0.0)
+    for at in (0.0, 60.0, 120.0):
+        tr.observe(_xids(bridged, 13, gpu=1), at)
+    obs.findings += tr.findings(120.0)
     v = decide(obs)
     assert (v.status, v.reason) == (Status.FALSE, Reason.GPU_DEGRADED)
     row = next(r for r in v.gpus if r.index == 1)
     assert row.problems == (
         "GPUDegraded: PCIe GPU link trained to x8, capable of x16",
-        "GPUDegraded: Xid 13 repeated: 3 or more within 10 min (3 in the last window)",
+        "GPUDegraded: Xid 13 repeated: 3 or more within 10 min (3 occurrences in the last window)",
     )
     hard = Finding.fault(Check.NVML, Reason.NVML_HEALTH, "GPU recovery action: GPU reset", bridged.gpus[0].address)
     obs.findings.append(hard)
@@ -846,8 +894,8 @@ def test_ingest_feeds_the_rate_at_kernel_log_time_and_history_is_not_new(tmp_pat
     fresh = [e for recs in src.drain() for e in ingest.process(recs, device=src.is_device)]
     assert [e.xid for e in fresh] == [79]  # fatal: latched, not counted by the rate
     assert tracker.findings(10_000.0) == []  # an hour old: outside the 10 minute window
-    with open(log, "a") as fh:  # the same Xid three times now: degraded
-        fh.write("".join(format_record(line13, 5 + i, 3_603_000_000 + i) for i in range(3)))
+    with open(log, "a") as fh:  # the same Xid three times now, seconds apart (three occurrences): degraded
+        fh.write("".join(format_record(line13, 5 + i, 3_603_000_000 + i * 2_000_000) for i in range(3)))
     for recs in src.drain():
         ingest.process(recs, device=src.is_device)
     f = tracker.findings(10_000.0)
@@ -859,7 +907,7 @@ def test_check_reads_the_xid_rate_and_shows_degradations_per_gpu(bridged: SimHos
     bridged.set_link(bridged.upstream_bridge(3), current_width=8)
     bridged.make_dev_nodes()
     for _ in range(3):
-        bridged.append_xid(31, 1, "MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f_12340000")
+        bridged.append_xid(31, 1, "MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f_12340000", apart_s=2.0)
     r = subprocess.run(
         [sys.executable, "-m", "agent", "check", *bridged.check_args()], capture_output=True, text=True, timeout=60
     )

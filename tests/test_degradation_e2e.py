@@ -77,15 +77,16 @@ def test_repeated_xid_13_degrades_until_the_window_is_clean_and_never_latches(ad
     a = agent_factory(extra={"--xid-rate-window": str(window)})
     a.wait_status(admin, "True", "GPUsHealthy", timeout=60)
     line = "Graphics SM Warp Exception on (GPC 7, TPC 7, SM 0): Out Of Range Address"
-    simhost.append_xid(13, 2, line)
-    simhost.append_xid(13, 2, line)
+    simhost.append_xid(13, 2, line, apart_s=2.0)  # separate occurrences, not one burst
+    simhost.append_xid(13, 2, line, apart_s=2.0)
     polls_after(simhost, 3)
     assert a.gpu_ready(admin)["status"] == "True"  # two of three: below the count
     t0 = time.monotonic()
-    simhost.append_xid(13, 2, line)
+    simhost.append_xid(13, 2, line, apart_s=2.0)
     c = a.wait_status(admin, "False", "GPUDegraded", timeout=60)
     assert c["message"] == (
-        "GPUDegraded: GPU 2 (00000000:4C:00.0): Xid 13 repeated: 3 or more within 0.1 min (3 in the last window)"
+        "GPUDegraded: GPU 2 (00000000:4C:00.0): Xid 13 repeated: 3 or more within 0.1 min "
+        "(3 occurrences in the last window)"
     )
     assert a.metric("gpu_ready_latched_faults") == 0
     assert a.metric("gpu_ready_xid_total", {"xid": "13", "fatal": "false"}) == 3
@@ -156,7 +157,7 @@ def test_check_json_shows_each_degradation_per_gpu(control_plane, make_node, sim
     simhost.make_dev_nodes(skip=("nvidia-uvm",))
     simhost.set_link(simhost.gpus[1].address, current_width=8, current_gts=16.0)
     for _ in range(3):
-        simhost.append_xid(31, 6, "MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f_12340000")
+        simhost.append_xid(31, 6, "MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f_12340000", apart_s=2.0)
 
     def check(*extra: str) -> tuple[int, dict]:
         args = [sys.executable, "-m", "agent", "check", "--json", *simhost.check_args(), "--kubeconfig", str(kc)]
@@ -173,7 +174,7 @@ def test_check_json_shows_each_degradation_per_gpu(control_plane, make_node, sim
     assert rc == 1 and (out["status"], out["reason"]) == ("False", "GPUDegraded")
     problems = {g["index"]: g["problems"] for g in out["gpus"]}
     assert problems[1] == ["GPUDegraded: PCIe GPU link trained to x8, capable of x16"]  # speed: idle, not judged
-    assert problems[6] == ["GPUDegraded: Xid 31 repeated: 3 or more within 10 min (3 in the last window)"]
+    assert problems[6] == ["GPUDegraded: Xid 31 repeated: 3 or more within 10 min (3 occurrences in the last window)"]
     assert all(problems[i] == [] for i in (0, 2, 3, 4, 5, 7))
     assert f"device node {simhost.dev}/nvidia-uvm is missing" in out["message"]
     assert out["counts"]["plugin_capacity"] == 8 and [x["xid"] for x in out["xids"]] == [31, 31, 31]

@@ -751,6 +751,24 @@ def _scale_controller(env: Env, replicas: int) -> None:
     )
 
 
+def _wait_controller_rolled_out(env: Env) -> None:
+    """Wait until the controller Deployment runs only pods of its current template, all ready (a `helm upgrade`
+    returns before the old replica is gone)."""
+
+    def rolled_out() -> bool:
+        d = env.api.request("GET", f"/apis/apps/v1/namespaces/{NS}/deployments/{CONTROLLER}")
+        st, want = d.get("status", {}), d["spec"].get("replicas", 1)
+        return (
+            st.get("observedGeneration", 0) >= d["metadata"]["generation"]
+            and st.get("updatedReplicas", 0) == want
+            and st.get("readyReplicas", 0) == want
+            and st.get("replicas", 0) == want
+            and len(_controller_pods(env)) == want
+        )
+
+    wait_for(rolled_out, 300, 0.5, "the controller Deployment rolled out")
+
+
 def _controller_pods(env: Env) -> list[dict[str, Any]]:
     query = {"labelSelector": "app.kubernetes.io/component=controller"}
     return env.api.request("GET", f"/api/v1/namespaces/{NS}/pods", query=query)["items"]
@@ -885,7 +903,9 @@ def test_controller_a_failing_gate_leaves_the_node_failed_and_cordoned_and_the_r
         env.state_dir = Path(tempfile.mkdtemp(prefix="gpu-ready-auto-state-"))
         env.extra.setdefault("cleanup", []).append(env.state_dir)
         env.metrics_port = free_port()
-    env.api.patch_node(NODE, {"metadata": {"labels": {NEEDS: "true", "preflight": None}}})
+    # The label goes on only once this release's controller is the one running: a previous release's controller
+    # (another profile) would otherwise see the label first and run a Job that passes.
+    env.api.patch_node(NODE, {"metadata": {"labels": {NEEDS: None, "preflight": None}}})
     values = _auto_preflight_values(
         env, sim, gpu_count=9, **{"preflight.auto.maxFailures": 2, "preflight.auto.backoffSeconds": 1}
     )
@@ -894,6 +914,12 @@ def test_controller_a_failing_gate_leaves_the_node_failed_and_cordoned_and_the_r
     data["config"].update(procRoot=str(sim.proc), requirePreflight=True)
     values.write_text(yaml.safe_dump(data))
     env.helm_run("upgrade", "--install", RELEASE, str(CHART), "-n", NS, "--create-namespace", "-f", str(values))
+    _wait_controller_rolled_out(env)
+    wait_for(lambda: all(_finished(j) for j in _managed_jobs(env)), 300, 0.5, "earlier preflight Jobs finished")
+    for j in _managed_jobs(env):
+        _delete_job(env, j["metadata"]["name"])
+    wait_for(lambda: not _managed_jobs(env), 120, 0.5, "earlier preflight Jobs deleted")
+    env.api.patch_node(NODE, {"metadata": {"labels": {NEEDS: "true"}}})
 
     def events(reason: str) -> list[dict[str, Any]]:
         items = env.api.request("GET", "/apis/events.k8s.io/v1/namespaces/default/events")["items"]

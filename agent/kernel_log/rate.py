@@ -5,7 +5,13 @@ Application Xids (13, 31, 43, ...) are not fatal one by one, but the same Xid on
 times in a short window points at the GPU (EKS node monitoring agent #272: count/window threshold).
 A GPU with at least `count` of the same Xid within `window_s` seconds is degraded, and stays degraded
 until a full window passes with no such Xid on it (the window is clean). It never latches: no state
-survives the window. Fatal Xids are the latch's business (state.py) and are not counted here.
+survives the window.
+
+One fault prints a burst of records: the driver writes an Xid 13 line per SM, TPC and ESR of the exception
+(a real H100 capture holds 15 Xid 13 lines within 2 ms from one out-of-range access of one process). Records of
+the same (GPU, Xid) within `burst_s` of the last counted one are one occurrence; a stream that goes on longer
+still counts once per `burst_s`, so a GPU that keeps faulting trips the rate as before. Fatal Xids are the
+latch's business (state.py) and are not counted here.
 
 The kernel-log watcher observes on its own thread while the loop reads findings: one lock guards the
 tracker. Times are the caller's clock (seconds); events may carry their own time (observe_at), which is
@@ -31,11 +37,14 @@ class XidRateThresholds:
     count: int = 3  # EKS node monitoring agent #272 proposal: 3 occurrences ...
     window_s: float = 600.0  # ... within 10 minutes
     ignore: frozenset[int] = frozenset({45})  # 45 follows other Xids (NVIDIA/NVSentinel#1712)
+    burst_s: float = 1.0  # records of one fault come within milliseconds: one occurrence
     max_keys: int = 1024  # (GPU, Xid) pairs tracked at once; the oldest is dropped beyond this
 
     def __post_init__(self) -> None:
-        if self.count < 1 or self.window_s <= 0 or self.max_keys < 1:
-            raise ValueError("Xid rate: count and max_keys must be at least 1 and the window positive")
+        if self.count < 1 or self.window_s <= 0 or self.max_keys < 1 or not 0 <= self.burst_s < self.window_s:
+            raise ValueError(
+                "Xid rate: count and max_keys must be at least 1, the window positive and the burst shorter than it"
+            )
 
 
 class XidRateTracker:
@@ -74,11 +83,13 @@ class XidRateTracker:
                 self._tripped.discard(old)
         else:
             self._times.move_to_end(key)
-        n, window = self.t.count, self.t.window_s
+        n, window, burst = self.t.count, self.t.window_s, self.t.burst_s
         tripped = key in self._tripped
         for at in times:
             if q and at < q[-1]:
                 at = q[-1]  # times never go backwards within a key (the window arithmetic relies on it)
+            if q and at - q[-1] < burst:
+                continue  # a record of the same burst as the last counted one: one occurrence
             q.append(at)
             if not tripped and len(q) >= n and at - q[-n] <= window:
                 tripped = True
@@ -104,7 +115,7 @@ class XidRateTracker:
                             Check.XID_RATE,
                             Reason.GPU_DEGRADED,
                             f"Xid {xid} repeated: {self.t.count} or more within {self.t.window_s / 60:g} min "
-                            f"({recent} in the last window)",
+                            f"({recent} occurrences in the last window)",
                             gpu,
                             kind="xid_rate",
                         )
@@ -130,4 +141,10 @@ SETTINGS = (
     Setting("xid_rate_count", in_range(to_int, 1, 100_000), 3, "this many of the same non-fatal Xid on one GPU ..."),
     Setting("xid_rate_window", positive(to_float, DAY), 600.0, "... within this many seconds: GPUDegraded"),
     Setting("xid_rate_ignore", to_int_list, (45,), "Xids the rate never counts (comma list)"),
+    Setting(
+        "xid_rate_burst",
+        in_range(to_float, 0.0, 60.0),
+        1.0,
+        "records of one Xid on one GPU within this many seconds of the last counted one are one occurrence",
+    ),
 )
