@@ -138,7 +138,7 @@ class BoundedCalls:
                     raise Blocked(f"{label}{where} did not return within {self.deadline_s:g}s")
         if job.error is not None:
             raise job.error
-        return job.result  # type: ignore[no-any-return]
+        return job.result
 
     def _refusal(self) -> str:
         held = sorted(k for k in self._blocked.values() if k)
