@@ -139,6 +139,7 @@ class Agent:
         self.checks = ChecksThread(self.suite.run, self.wake.set)
         self._cycle_started = 0.0
         self.cycles = 0
+        self.turns = 0  # the loop's turns (each wake or timeout): what a test waits on to know a wake was handled
         self.started_mono = clock.mono()
         self.last_cycle_mono: float | None = None
         self.loop_thread: threading.Thread | None = None
@@ -290,6 +291,7 @@ class Agent:
             if self.checks.busy:
                 due = now + self.cfg.poll_interval  # the run's end wakes the loop
             held = self.publisher.next_deadline(now)
+            self.turns += 1
             self.wake.wait(max(0.0, min(due, held if held is not None else due) - now))
             self.wake.clear()
 

@@ -58,7 +58,7 @@ def test_a_wedged_rail_file_is_could_not_check_and_refused_at_once_after(host, r
     ctx = pci_context(host)
     r = ib.read(ctx)
     assert not r.ran and [f.severity for f in r.findings] == [Severity.UNCHECKED]
-    assert str(wedged) in r.findings[0].message and "did not return within 0.2s" in r.findings[0].message
+    assert str(wedged) in r.findings[0].message and "did not answer within 0.2s" in r.findings[0].message
     assert decide(combine([r], None), []).status is Status.UNKNOWN  # never True
     for _ in range(20):  # later cycles: the file is refused at once, no new thread, no wait
         r = ib.read(ctx)
@@ -123,7 +123,7 @@ def test_at_most_max_blocked_threads_then_every_read_is_refused(host, reader):
     fifos = [host.wedge(host.ib_port_file(f"mlx5_{i}", "rate")) for i in range(6)]
     threads = threading.active_count()
     for f in fifos[:4]:
-        with pytest.raises(Blocked, match="did not return within"):
+        with pytest.raises(Blocked, match="did not answer within"):
             reader.read(str(f))
     assert reader.blocked == 4 and threading.active_count() == threads + 4
     for f in [*fifos[4:], host.ib_port_file("mlx5_7", "state")]:  # a healthy file too: could not check

@@ -127,15 +127,17 @@ class BoundedCalls:
             job = _Job(_on_worker, (worker, fn, *args))
             worker.jobs.put(job)
             if not job.done.acquire(timeout=self.deadline_s):
+                held = None
                 with self._state:
                     if not job.finished:  # still running: give up on it and its thread
                         worker.abandoned = True
-                        self._blocked[worker] = worker.current
+                        self._blocked[worker] = held = worker.current
                         self._worker = None
                         self.timeouts += 1
                 if worker.abandoned:
-                    where = f" ({worker.current})" if worker.current else ""
-                    raise Blocked(f"{label}{where} did not return within {self.deadline_s:g}s")
+                    if held:
+                        raise Blocked(f"{held} did not answer within {self.deadline_s:g}s ({label})")
+                    raise Blocked(f"{label} did not return within {self.deadline_s:g}s")
         if job.error is not None:
             raise job.error
         return job.result
