@@ -1,7 +1,8 @@
 """Defects found in the device-plugin count, the nvidia-smi parser and runner, the kernel-log reader, the HTTP
 server and the --node-json reader, each reproduced, then held fixed: mig.strategy=single with MIG disabled, ERR!
 in the MIG devices section and duplicated bus ids, both shapes of nvidia-smi's handle error, linear-time parsing
-and bounded lines, nvidia-smi's output cap and process tree, a bounded HTTP server, any --node-json shape, and a sysfs file that never answers.
+and bounded lines, nvidia-smi's output cap and process tree, a bounded HTTP server, any --node-json shape, and a
+sysfs file that never answers.
 
 Real processes everywhere (nvidia-smi stand-ins, the real HTTP server, the real CLI); only the GPU is faked.
 """
