@@ -52,8 +52,8 @@ class ChecksThread:
     cycle may still take as long as the slowest of them (nvidia-smi's timeout, NVML's, a wedged sysfs read's): the
     loop meanwhile keeps publishing, so a fault the kernel log latched reaches the Node while the cycle runs."""
 
-    def __init__(self, run: Callable[..., Any], done: Callable[[], None]) -> None:
-        self._run, self._done = run, done
+    def __init__(self, run: Callable[..., Any], finished: Callable[[], None]) -> None:
+        self._run, self._finished = run, finished
         self._go = threading.Event()
         self._lock = threading.Lock()
         self._request: tuple[Any, ...] = ()
@@ -71,12 +71,14 @@ class ChecksThread:
         self._go.set()
 
     def take(self) -> tuple[Any, BaseException | None] | None:
-        """The finished run's (result, error), once; None while it runs or when none was submitted."""
+        """The finished run's (result, error), once; None while it runs or when none was submitted. `busy` stays
+        set until the caller has handled it (`done()`)."""
         with self._lock:
             got, self._result = self._result, None
-        if got is not None:
-            self.busy = False
         return got
+
+    def done(self) -> None:
+        self.busy = False
 
     def _main(self) -> None:
         while True:
@@ -90,7 +92,7 @@ class ChecksThread:
                 got = (None, e)
             with self._lock:
                 self._result = got
-            self._done()
+            self._finished()  # wakes the loop
 
     def stop(self) -> None:
         self._stopping = True
@@ -271,9 +273,12 @@ class Agent:
                 if done is not None:
                     result, error = done
                     next_poll = due = self.clock.mono() + self.cfg.poll_interval
-                    if error is not None:
-                        raise error
-                    self._end_cycle(*result)
+                    try:
+                        if error is not None:
+                            raise error
+                        self._end_cycle(*result)
+                    finally:
+                        self.checks.done()
                 if not self.checks.busy:
                     due = wake_cycle_at(next_poll, self.last_cycle_mono) if asked else next_poll
                     if self.clock.mono() >= due:
