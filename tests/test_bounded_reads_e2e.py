@@ -85,11 +85,16 @@ def test_an_xid_79_is_published_while_a_cycle_is_stuck_in_a_probe(admin, agent_f
     a.wait_status(admin, "True", timeout=60)
     runs = {"check": "nvidia_smi"}
     wait_for(lambda: a.metric(COUNT, runs) == 1, 30, what="the first cycle counted")
+    simhost.append_kmsg("NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.90.07")  # a record to count a loss from
+    wait_for(lambda: a.metric("gpu_ready_kmsg_records_total") == 1, 30, what="the record read")
     calls = simhost.smi_call_count()
     simhost.set_smi(hang=True)
     simhost.skip_seq(40)  # records lost: the level checks run now, not at the poll 300 s away
     simhost.append_kmsg("random kernel line")
-    wait_for(lambda: simhost.smi_call_count() > calls, 60, what="the cycle's nvidia-smi run started")
+    try:
+        wait_for(lambda: simhost.smi_call_count() > calls, 60, what="the cycle's nvidia-smi run started")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n--- agent log ---\n{a.logs()[-4000:]}") from None
     simhost.append_xid(79, gpu=4)
     a.wait_status(admin, "False", "FatalXid", timeout=60)
     assert a.metric(COUNT, runs) == 1  # that cycle has not ended: the fault did not wait for it
@@ -143,6 +148,8 @@ def test_lost_kernel_log_records_are_rate_limited_like_link_changes(admin, make_
     try:
         agent.start(serve=False)
         wait_cycles(agent, 1)
+        host.append_kmsg("NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.90.07")  # a loss counts from a record
+        wait_for(lambda: agent.kmsg.source.last_seq is not None, 20, 0.01, "the first record read")
         settle(agent)
         mono.at = agent.last_cycle_mono  # frozen at the end of the last cycle
         assert mono.at is not None
