@@ -9,6 +9,7 @@ the sources' inventories for the verdict. Adding a signal is a probe module and 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -245,3 +246,55 @@ class CheckSuite:
                 stats.timed_out.add(str(r.check))
         self.results = ctx.results
         return combine(ctx.results.values(), self.cfg.expected_gpus), stats
+
+
+class ChecksThread:
+    """Runs the check suite off the loop thread, one run at a time. Every probe is bounded by its own deadline, and a
+    cycle may still take as long as the slowest of them (nvidia-smi's timeout, NVML's, a wedged sysfs read's): the
+    loop meanwhile keeps publishing, so a fault the kernel log latched reaches the Node while the cycle runs."""
+
+    def __init__(self, run: Callable[..., Any], finished: Callable[[], None]) -> None:
+        self._run, self._finished = run, finished
+        self._go = threading.Event()
+        self._lock = threading.Lock()
+        self._request: tuple[Any, ...] = ()
+        self._result: tuple[Any, BaseException | None] | None = None
+        self._stopping = False
+        self.busy = False  # a run was submitted and its result not taken yet (the loop thread's view)
+        self.thread: threading.Thread | None = None
+
+    def submit(self, *args: Any) -> None:
+        self.busy = True
+        self._request = args
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._main, name="agent-checks", daemon=True)
+            self.thread.start()
+        self._go.set()
+
+    def take(self) -> tuple[Any, BaseException | None] | None:
+        """The finished run's (result, error), once; None while it runs or when none was submitted. `busy` stays
+        set until the caller has handled it (`done()`)."""
+        with self._lock:
+            got, self._result = self._result, None
+        return got
+
+    def done(self) -> None:
+        self.busy = False
+
+    def _main(self) -> None:
+        while True:
+            self._go.wait()
+            self._go.clear()
+            if self._stopping:
+                return
+            try:
+                got: tuple[Any, BaseException | None] = (self._run(*self._request), None)
+            except Exception as e:  # handed to the loop, which logs it as it logs its own
+                got = (None, e)
+            with self._lock:
+                self._result = got
+            self._finished()  # wakes the loop
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._go.set()

@@ -21,7 +21,9 @@ A node with no InfiniBand device has nothing to judge: no finding unless `expect
 whose state files exist but cannot be read or parsed is "could not check"; a counter that is absent (some RoCE
 drivers) is not read, one that exists but does not read or parse is reported (info, `counters_unreadable`): the
 port's state still judges the rail, and its flaps are then seen from state changes only. Each file read is one bounded
-read. The error counters other than `link_downed` are reported (metrics, `check --json`), not judged.
+read under a deadline (probes/sysfs.py): a read that does not answer (a wedged HCA) makes the probe "could not
+check", whichever file it was; the ports and link layers are read once per device (PortLayout). The error
+counters other than `link_downed` are reported (metrics, `check --json`), not judged.
 
 Each GPU's rail: the InfiniBand device whose PCI function shares the longest stretch of the GPU's sysfs path below
 the root complex (the same PCIe switch or root port; nothing shared: no rail), resolved again only when the devices
@@ -38,6 +40,8 @@ from typing import Any
 
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason
 from agent.probes.base import ProbeContext
+from agent.probes.bounded import Blocked
+from agent.probes.sysfs import READER, SysfsReader, read_bytes
 from agent.settings import DAY, Setting, in_range, optional, positive, to_bool, to_float, to_int
 
 ACTIVE, LINK_UP = 4, 5
@@ -75,19 +79,16 @@ class Unreadable(Exception):
 
 
 def _read(path: str) -> str | None:
-    """The file's first line; None when it does not exist; Unreadable when it exists but cannot be read."""
+    """The file's first line; None when it does not exist; Unreadable when it exists but cannot be read. A read that
+    blocks (a wedged HCA) raises Blocked, which no caller here swallows: the whole signal is "could not check"."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return read_bytes(path).decode("ascii", "replace").partition("\n")[0]
     except FileNotFoundError:
         return None
+    except Blocked:
+        raise
     except OSError as e:
         raise Unreadable(f"{path}: {e.strerror}") from None
-    try:
-        return os.read(fd, 64).decode("ascii", "replace").partition("\n")[0]
-    except OSError as e:
-        raise Unreadable(f"{path}: {e.strerror}") from None
-    finally:
-        os.close(fd)
 
 
 def _state(path: str) -> tuple[int, str]:
@@ -119,30 +120,54 @@ def _counters(base: str) -> tuple[dict[str, int], tuple[str, ...]]:
     return out, tuple(errors)
 
 
-def read_ports(root: str, counters: bool = True) -> list[Port]:
-    """Every port of every InfiniBand device under `root` (<sysfs>/class/infiniband), sorted. Raises Unreadable
-    when a port's state cannot be read; an absent `root` is no device."""
+class PortLayout:
+    """What does not change while an InfiniBand device stays: its ports and each port's link layer (the port type
+    changes only with a firmware reset, which re-creates the device). Kept per device with the inode of its entry
+    under the class directory (a device removed and added again is another entry: read again); the state, the rate
+    and the counters are read every poll."""
+
+    def __init__(self) -> None:
+        self.devices: dict[str, tuple[int, tuple[tuple[str, str], ...]]] = {}
+
+
+def _device_layout(root: str, dev: str) -> tuple[tuple[str, str], ...]:
+    """(port, link layer) of each port of `dev`, in port order."""
+    ports_dir = f"{root}/{dev}/ports"
     try:
-        devices = sorted(os.listdir(root))[:MAX_DEVICES]
+        ports = sorted(os.listdir(ports_dir), key=lambda p: (len(p), p))[:MAX_PORTS]
+    except OSError as e:
+        raise Unreadable(f"{ports_dir}: {e.strerror}") from None
+    return tuple((p, (_read(f"{ports_dir}/{p}/link_layer") or "").strip()[:16]) for p in ports)
+
+
+def read_ports(root: str, counters: bool = True, layout: PortLayout | None = None) -> list[Port]:
+    """Every port of every InfiniBand device under `root` (<sysfs>/class/infiniband), sorted. Raises Unreadable
+    when a port's state cannot be read, Blocked when a read does not answer; an absent `root` is no device.
+    layout: the devices' ports and link layers from earlier polls (kept and updated; None reads them all)."""
+    try:
+        with os.scandir(root) as it:
+            devices = sorted((e.name, e.inode()) for e in it)[:MAX_DEVICES]
     except FileNotFoundError:
         return []
     except OSError as e:
         raise Unreadable(f"{root}: {e.strerror}") from None
+    known = layout.devices if layout is not None else {}
+    fresh = {}
     out = []
-    for dev in devices:
-        ports_dir = os.path.join(root, dev, "ports")
-        try:
-            ports = sorted(os.listdir(ports_dir), key=lambda p: (len(p), p))[:MAX_PORTS]
-        except OSError as e:
-            raise Unreadable(f"{ports_dir}: {e.strerror}") from None
-        for p in ports:
-            base = os.path.join(ports_dir, p)
-            rate = _read(os.path.join(base, "rate"))
+    for dev, ino in devices:
+        got = known.get(dev)
+        if got is None or got[0] != ino:
+            got = (ino, _device_layout(root, dev))
+        fresh[dev] = got
+        for p, layer in got[1]:
+            base = f"{root}/{dev}/ports/{p}"
+            rate = _read(base + "/rate")
             m = _RATE.match(rate or "")
-            layer = (_read(os.path.join(base, "link_layer")) or "").strip()[:16]
             values, errors = _counters(base) if counters else ({}, ())
             state, phys = _state(base + "/state"), _state(base + "/phys_state")
             out.append(Port(dev, p, state, phys, float(m[1]) if m else None, layer, values, errors))
+    if layout is not None:
+        layout.devices = fresh  # only after every read answered: a call abandoned at its deadline changes nothing
     return out
 
 
@@ -346,8 +371,10 @@ class InfinibandProbe:
         expected_nics: int | None = None,
         min_rate_gbps: float | None = None,
         thresholds: IbThresholds | None = None,
+        reader: SysfsReader = READER,
     ) -> None:
         self.sysfs_root = sysfs_root
+        self.reader, self.layout = reader, PortLayout()
         self.root = os.path.join(sysfs_root, "class", "infiniband")
         self.t = thresholds or IbThresholds(expected_nics, min_rate_gbps, rate_peers=False)
         self.tracker = FlapTracker(self.t.flaps)
@@ -356,8 +383,8 @@ class InfinibandProbe:
 
     def read(self, context: ProbeContext) -> ProbeResult:
         try:
-            ports = read_ports(self.root)
-        except Unreadable as e:
+            ports = self.reader.run(read_ports, self.root, True, self.layout, what="reading the InfiniBand ports")
+        except (Unreadable, Blocked) as e:
             return ProbeResult.of(Check.INFINIBAND, (Finding.unchecked(Check.INFINIBAND, f"InfiniBand: {e}"),))
         findings = port_findings(ports, self.t.expected_nics, self.t.min_rate_gbps, self.t.rate_peers)
         self.tracker.observe(ports, context.now)

@@ -2,8 +2,8 @@
 
 Per GPU: a handle error (GPU lost, reset required, unknown), a GPU recovery action other than none,
 a row-remap failure (pending remaps are reported, not a fault), NVLink links down where the GPU has
-NVLink. Every call runs in a worker thread under a deadline; a call that never returns is abandoned
-and no further NVML call starts while it is stuck.
+NVLink. Every call runs in a worker thread under a deadline (probes/bounded.py, the mechanism the sysfs reads
+share); a call that never returns is abandoned and no further NVML call starts while it is stuck.
 
 For the degradation probes (docs/degradation.md) it also reads, when asked, each GPU's PCIe load (utilisation and
 link generation, probes/pcie.py), one clock-event sample (probes/clocks.py), its UUID (to map
@@ -12,13 +12,13 @@ done by those probes."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult, Reason
 from agent.probes.base import ProbeContext
+from agent.probes.bounded import Blocked, BoundedCalls
 from agent.probes.clocks import ClockSample, nvml_clock_sample
 from agent.probes.fabric import FabricInfo, nvml_fabric
 from agent.probes.pcie import GpuLoad, nvml_pcie_load
@@ -38,8 +38,7 @@ RECOVERY_ACTIONS = {
 HANDLE_FAULT_CODES = {15: "GPU is lost (fell off the bus)", 16: "GPU requires reset", 999: "unknown error"}
 
 
-class NvmlTimeout(Exception):
-    pass
+NvmlTimeout = Blocked  # an NVML call that did not return within the deadline, or one refused while another is stuck
 
 
 @dataclass
@@ -87,8 +86,7 @@ class NvmlProbe:
         self.read_fabric = False
         self.snapshot: NvmlSnapshot | None = None  # the last probe()'s readings
         self._nvml = nvml
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
-        self._stuck: concurrent.futures.Future[Any] | None = None
+        self._calls = BoundedCalls("NVML", deadline_s, max_blocked=1)  # one stuck call: no further call starts
         self._initialized = False
         self._lock = threading.Lock()
 
@@ -100,18 +98,7 @@ class NvmlProbe:
         return self._nvml
 
     def _call(self, fn: Any, *args: Any) -> Any:
-        if self._stuck is not None and not self._stuck.done():
-            raise NvmlTimeout("a previous NVML call is still blocked")
-        fut = self._pool.submit(fn, *args)
-        try:
-            return fut.result(timeout=self.deadline_s)
-        except concurrent.futures.TimeoutError:
-            self._stuck = fut
-            # The blocked worker cannot be killed; use a fresh pool for later calls once it returns.
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
-            raise NvmlTimeout(
-                f"{getattr(fn, '__name__', 'NVML call')} did not return within {self.deadline_s:g}s"
-            ) from None
+        return self._calls.call(fn, *args)
 
     check = Check.NVML
 
