@@ -225,6 +225,8 @@ class Config:
     nvml: str
     nvml_timeout: float
     nvml_nvlink: bool
+    expected_nvlinks: int | None
+    nvlink_profiles: tuple[tuple[str, int], ...] | None
     pcie: bool
     pcie_bridges: bool
     pcie_speed: bool
