@@ -90,6 +90,7 @@ def _infiniband(cfg: Config, shared: Shared) -> Probe:
         cfg.ib_rate_peers,
         FlapThresholds(cfg.ib_flap_count, cfg.ib_flap_window),
         cfg.require_gpu_direct,
+        cfg.rail_devices or (),
     )
     return InfinibandProbe(cfg.sysfs_root, thresholds=t)
 

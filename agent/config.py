@@ -250,6 +250,7 @@ class Config:
     ib_flap_count: int
     ib_flap_window: float
     require_gpu_direct: bool
+    rail_devices: tuple[str, ...] | None
     fabric: str
     fabric_manager: bool
     fabric_manager_address: str | None

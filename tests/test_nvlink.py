@@ -167,7 +167,7 @@ def test_a_gpu_in_mig_mode_is_not_judged():
 def test_the_links_seen_up_outlive_an_agent_restart_and_not_a_reboot(tmp_path):
     state = LatchState(str(tmp_path), "boot-1")
     assert state.load() == "new"
-    p, g = probe_on([1] * 18, "NVIDIA H100 80GB HBM3")
+    p, _ = probe_on([1] * 18, "NVIDIA H100 80GB HBM3")
     p.links = state
     nvlink_findings(p)
     writes = state.path.stat().st_mtime_ns
@@ -176,7 +176,7 @@ def test_the_links_seen_up_outlive_an_agent_restart_and_not_a_reboot(tmp_path):
     # the agent restarts in the same boot: link 7 down is still known to have been up
     again = LatchState(str(tmp_path), "boot-1")
     assert again.load() == "loaded" and again.nvlinks_seen_up("00000000:19:00.0") == frozenset(range(18))
-    p2, g2 = probe_on([1] * 7 + [0] + [1] * 10, "NVIDIA H100 80GB HBM3")
+    p2, _ = probe_on([1] * 7 + [0] + [1] * 10, "NVIDIA H100 80GB HBM3")
     p2.links = again
     f, _ = nvlink_findings(p2)
     assert [x.kind for x in f] == ["nvlink_down"] and "links 7 down" in f[0].message

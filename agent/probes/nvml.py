@@ -22,7 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import fnmatch
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
