@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from agent import config
 from agent.checks import CheckSuite, combine
 from agent.model import Check, Reason, Severity, Status
 from agent.probes.base import ProbeContext
@@ -21,8 +22,9 @@ from agent.verdict import decide
 from testkit.fakes import fake_nvml
 from testkit.fixture_files import FIXTURES
 from testkit.simhost import SimHost
-from tests.test_fabric import H200_590, HGX_H100, suite_cfg
 
+HGX_H100 = FIXTURES / "smi-q-535.161.08-gpud-fixture.txt"  # 8x H100 80GB HBM3, Fabric Completed
+H200_590 = FIXTURES / "smi-q-h200-590.48.01-nvgpuexp-capture.txt"  # 590 layout: CliqueId, ClusterUUID, Health
 UNHEALTHY_BLOCK = FIXTURES / "smi-q-fabric-unhealthy-mnnvl-dra-driver-626.txt"
 GB200_CLUSTER = bytes.fromhex("dc6e40c4d72243579ba65291dd461278")
 
@@ -122,7 +124,9 @@ def test_bad_output_is_could_not_check_and_not_cached(simhost: SimHost, tmp_path
         "missing": good[: good.rindex("\nGPU ") + 1],
     }[kind]
     simhost.set_smi_q(write(tmp_path, bad))
-    suite = CheckSuite(suite_cfg(simhost))
+    paths = {"nvidia_smi": str(simhost.nvidia_smi), "sysfs_root": str(simhost.sysfs), "nvml": "off"}
+    paths |= {"dev_root": str(simhost.make_dev_nodes()), "proc_root": str(simhost.proc)}
+    suite = CheckSuite(config.defaults(**paths))
     clock = [0.0]
     suite.clock = lambda: clock[0]
     for t in (0.0, 30.0):

@@ -191,3 +191,19 @@ def test_the_in_memory_default_remembers_per_gpu():
     m.note_nvlinks_up("a", [1, 2])
     m.note_nvlinks_up("a", [3])
     assert m.nvlinks_seen_up("a") == {1, 2, 3} and m.nvlinks_seen_up("b") == frozenset()
+
+
+def test_check_json_shows_each_gpus_links(simhost):
+    """`check --json` `multinode.nvlink`: a PCIe A100 without a bridge shows its links, none up, not fitted."""
+    from agent.checks import CheckSuite
+    from agent.cli import multinode_json
+
+    _, states = smi_links(A100_PCIE, 12)
+    paths = {"nvidia_smi": str(simhost.nvidia_smi), "sysfs_root": str(simhost.sysfs)}
+    paths |= {"dev_root": str(simhost.make_dev_nodes()), "proc_root": str(simhost.proc)}
+    probe, _ = probe_on(states, "NVIDIA A100 80GB PCIe")
+    suite = CheckSuite(config.defaults(**paths), nvml=probe)
+    suite.run(None, one_shot=True)
+    assert multinode_json(suite)["nvlink"] == [
+        {"pci_bus_id": "00000000:19:00.0", "links": 12, "up": [], "down": [], "fitted": False, "judged": True}
+    ]

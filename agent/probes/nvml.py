@@ -442,6 +442,23 @@ class NvmlProbe:
         return out
 
 
+def nvlink_json(snap: NvmlSnapshot) -> list[dict[str, Any]]:
+    """Each GPU's NVLinks as read (`check --json` `multinode.nvlink`): those NVML answers, up, judged down, and
+    whether NVLink is fitted (false: every link disabled and nothing says one should be up)."""
+    return [
+        {
+            "pci_bus_id": g.address.nvml if g.address is not None else None,
+            "links": g.nvlink_links,
+            "up": list(g.nvlink_up),
+            "down": list(g.nvlink_down),
+            "fitted": g.nvlink_fitted,
+            "judged": not g.mig_enabled,
+        }
+        for g in snap.gpus
+        if g.nvlink_links
+    ]
+
+
 def _lost_or_skip(nv: Any, e: Exception, addr: PciAddress | None, what: str) -> list[Finding]:
     code = getattr(e, "value", None)
     if code in HANDLE_FAULT_CODES:
