@@ -207,3 +207,19 @@ def test_check_json_shows_each_gpus_links(simhost):
     assert multinode_json(suite)["nvlink"] == [
         {"pci_bus_id": "00000000:19:00.0", "links": 12, "up": [], "down": [], "fitted": False, "judged": True}
     ]
+
+
+def test_far_ends_are_asked_once_per_link():
+    """A PCIe GPU without a bridge: its 12 links' far ends are asked at the first read only, not every cycle."""
+    calls = []
+    p, _ = probe_on([0] * 12, "NVIDIA A100 80GB PCIe")
+    real = p._lib().nvmlDeviceGetNvLinkRemoteDeviceType
+
+    def counted(h, link):
+        calls.append(link)
+        return real(h, link)
+
+    p._lib().nvmlDeviceGetNvLinkRemoteDeviceType = counted
+    for _ in range(3):
+        assert [x.kind for x in nvlink_findings(p)[0]] == ["nvlink_absent"]
+    assert calls == list(range(12))

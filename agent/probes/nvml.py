@@ -208,6 +208,7 @@ class NvmlProbe:
         self.links: Any = LinkMemory()  # links seen up in this boot (the agent hands its state file instead)
         self.expected_nvlinks: int | None = None  # every GPU's links up (expectedNvlinks)
         self.nvlink_profiles: tuple[tuple[str, int], ...] = ()  # per model (nvlinkProfiles)
+        self._far_ends: dict[str, dict[int, bool]] = {}  # per GPU: each link asked, whether NVML named its far end
         self.read_load, self.read_clocks, self.read_uuids = pcie_load, clock_events, uuids
         self.read_fabric = False
         self.snapshot: NvmlSnapshot | None = None  # the last probe()'s readings
@@ -414,7 +415,13 @@ class NvmlProbe:
         seen = self.links.nvlinks_seen_up(key)
         if gpu.nvlink_up and not set(gpu.nvlink_up) <= seen:
             self.links.note_nvlinks_up(key, gpu.nvlink_up)
-        remote = self._remote_ends(nv, h, [i for i, u in enumerate(states) if not u and i not in seen])
+        # A link's far end is asked once per GPU while the agent runs: a bridge or a switch is not fitted at run time.
+        asked = self._far_ends.setdefault(key, {})
+        new = [i for i, u in enumerate(states) if not u and i not in seen and i not in asked]
+        if new:
+            found = self._remote_ends(nv, h, new)
+            asked.update({i: i in found for i in new})
+        remote = {i for i, wired in asked.items() if wired}
         v = nvlink_verdict(
             states,
             seen,
