@@ -292,6 +292,7 @@ def test_an_sr_iov_node_every_device_is_read_and_virtual_functions_are_not_rails
     r, _ = read(host)
     assert r.ran and faults(r) == [("rail_down", "mlx5_135")]
     assert r.payload.rails == set(rails) and len(r.payload.ports) == 136 and r.payload.not_read == 0
+    assert sorted(r.payload.gpu_rails.values()) == rails  # each GPU's rail is a physical function
 
 
 def test_devices_beyond_the_bound_are_counted_and_never_true(tmp_path, monkeypatch):

@@ -422,10 +422,12 @@ def rail_topology(
         chain = _pci_chain(os.path.join(sysfs_root, "bus", "pci", "devices", name))
         best, best_len = None, 0
         for dev, nic in nics.items():
+            if dev in vfs:
+                continue  # a virtual function beside its physical one: the physical one is the GPU's rail
             n = 0
             while n < min(len(chain), len(nic)) - 1 and chain[n] == nic[n]:
                 n += 1
-            if n and dev not in vfs:
+            if n:
                 affine.add(dev)
             if n > best_len:
                 best, best_len = dev, n
