@@ -27,7 +27,7 @@ from agent.probes.dcgm import DcgmProbe, DcgmThresholds
 from agent.probes.device_nodes import DeviceNodesProbe, DeviceNodeThresholds
 from agent.probes.dra import DraInventory, GpuServingProbe
 from agent.probes.fabric import FabricProbe
-from agent.probes.fabric_manager import FabricManagerProbe
+from agent.probes.fabric_manager import FabricManagerProbe, NvswitchScanner
 from agent.probes.imex import ImexProbe
 from agent.probes.infiniband import FlapThresholds, IbThresholds, InfinibandProbe
 from agent.probes.mig_config import MigConfigProbe
@@ -43,6 +43,9 @@ def nvml_reads(cfg: Config, probe: NvmlProbe) -> NvmlProbe:
     probe.read_clocks = cfg.clock_events
     probe.read_uuids = cfg.dcgm_exporter is not None or cfg.pod_resources
     probe.read_fabric = cfg.fabric in ("auto", "nvml")
+    probe.expected_nvlinks, probe.nvlink_profiles = cfg.expected_nvlinks, cfg.nvlink_profiles or ()
+    if probe.nvswitches is None:  # on an NVSwitch system every NVLink of every GPU is wired (docs/fabric.md)
+        probe.nvswitches = NvswitchScanner(cfg.sysfs_root).scan
     return probe
 
 
@@ -90,6 +93,7 @@ def _infiniband(cfg: Config, shared: Shared) -> Probe:
         cfg.ib_rate_peers,
         FlapThresholds(cfg.ib_flap_count, cfg.ib_flap_window),
         cfg.require_gpu_direct,
+        cfg.rail_devices or (),
     )
     return InfinibandProbe(cfg.sysfs_root, thresholds=t)
 
@@ -127,7 +131,9 @@ REGISTRY: tuple[ProbeSpec, ...] = (
         lambda cfg: cfg.fabric_manager,
         lambda cfg, shared: FabricManagerProbe(cfg.sysfs_root, cfg.fabric_manager_address),
     ),
-    ProbeSpec(Check.IMEX, lambda cfg: cfg.imex, lambda cfg, shared: ImexProbe(cfg.imex_ctl, cfg.imex_timeout)),
+    ProbeSpec(
+        Check.IMEX, lambda cfg: cfg.imex, lambda cfg, shared: ImexProbe(cfg.imex_ctl, cfg.imex_timeout, cfg.imex_daemon)
+    ),
     ProbeSpec(Check.POD_RESOURCES, lambda cfg: cfg.pod_resources, _allocation),
     ProbeSpec(Check.MIG_LAYOUT, always, lambda cfg, shared: MigConfigProbe(cfg.mig_pending_timeout)),
     ProbeSpec(Check.XID, always, lambda cfg, shared: KernelLogProbe(shared.kernel_log, shared.latch_store)),

@@ -225,6 +225,8 @@ class Config:
     nvml: str
     nvml_timeout: float
     nvml_nvlink: bool
+    expected_nvlinks: int | None
+    nvlink_profiles: tuple[tuple[str, int], ...] | None
     pcie: bool
     pcie_bridges: bool
     pcie_speed: bool
@@ -248,12 +250,14 @@ class Config:
     ib_flap_count: int
     ib_flap_window: float
     require_gpu_direct: bool
+    rail_devices: tuple[str, ...] | None
     fabric: str
     fabric_manager: bool
     fabric_manager_address: str | None
     imex: bool
     imex_ctl: str
     imex_timeout: float
+    imex_daemon: str
     mig_strategy: str
     replicas: int | None
     plugin_grace: float

@@ -6,7 +6,7 @@ import ctypes
 import threading
 import types
 
-from pynvml import c_nvmlGpuFabricInfoV_t
+from pynvml import c_nvmlGpuFabricInfo_v3_t, c_nvmlGpuFabricInfoV_t
 
 # The releases of simulated hung calls: a hung call blocks, as a stuck driver call does, until its release is set.
 # tests/conftest.py sets every one after each test, so no worker thread outlives its test.
@@ -20,7 +20,8 @@ class FakeNVMLError(Exception):
 
 
 def fake_nvml(gpus, init_error=None, hang=None):
-    """gpus: list of dicts with busId, handle_error, recovery, remap=(c,u,pending,failure), links=[states];
+    """gpus: list of dicts with busId, name, mig (MIG mode on), handle_error, recovery, remap=(c,u,pending,failure),
+    links=[states], remote={link: far-end device type};
     throttle (clock event reasons mask), throttle_error (NVML error code), margin (C), util (%),
     pcie_gen / pcie_gen_cur, pcie_width / pcie_width_cur."""
     m = types.SimpleNamespace(
@@ -32,7 +33,9 @@ def fake_nvml(gpus, init_error=None, hang=None):
         NVML_DEVICE_MIG_ENABLE=1,
         NVML_ERROR_NOT_SUPPORTED=3,
         NVML_ERROR_INSUFFICIENT_RESOURCES=23,
-        c_nvmlGpuFabricInfoV_t=c_nvmlGpuFabricInfoV_t,  # the library's own structure, filled as the driver fills it
+        c_nvmlGpuFabricInfoV_t=c_nvmlGpuFabricInfoV_t,  # the library's own structures, filled as the driver fills them
+        c_nvmlGpuFabricInfo_v3_t=c_nvmlGpuFabricInfo_v3_t,
+        NVML_ERROR_ARGUMENT_VERSION_MISMATCH=25,
         byref=ctypes.byref,
     )
 
@@ -64,7 +67,7 @@ def fake_nvml(gpus, init_error=None, hang=None):
 
     call("nvmlDeviceGetHandleByIndex", handle)
     call("nvmlDeviceGetPciInfo", lambda h: types.SimpleNamespace(busId=gpus[h]["busId"].encode()))
-    call("nvmlDeviceGetName", lambda h: b"NVIDIA H100")
+    call("nvmlDeviceGetName", lambda h: gpus[h].get("name", "NVIDIA H100").encode())
     call(
         "nvmlDeviceGetFieldValues",
         lambda h, ids: [
@@ -78,7 +81,8 @@ def fake_nvml(gpus, init_error=None, hang=None):
         return gpus[h]["remap"]
 
     call("nvmlDeviceGetRemappedRows", remap)
-    call("nvmlDeviceGetMigMode", lambda h: (0, 0))
+    call("nvmlDeviceGetMigMode", lambda h: (1, 1) if gpus[h].get("mig") else (0, 0))
+    call("nvmlDeviceGetMaxMigDeviceCount", lambda h: 0)
 
     def link(h, i):
         links = gpus[h].get("links", [])
@@ -87,6 +91,16 @@ def fake_nvml(gpus, init_error=None, hang=None):
         return links[i]
 
     call("nvmlDeviceGetNvLinkState", link)
+
+    def remote_type(h, i):
+        """remote: {link: nvmlNvLinkDeviceType} for the links whose far end the driver names; others answer an
+        error, as a disabled link without a far end does."""
+        kinds = gpus[h].get("remote", {})
+        if i not in kinds:
+            raise FakeNVMLError(3)
+        return kinds[i]
+
+    call("nvmlDeviceGetNvLinkRemoteDeviceType", remote_type)
     # burn-in monitor: counters read from the dicts, so a test can change them between reads
     call(
         "nvmlDeviceGetTotalEccErrors", lambda h, etype, counter: gpus[h].get("ecc_unc" if etype == 1 else "ecc_cor", 0)
@@ -117,13 +131,18 @@ def fake_nvml(gpus, init_error=None, hang=None):
     call("nvmlDeviceGetCurrPcieLinkWidth", lambda h: gpus[h].get("pcie_width_cur", gpus[h].get("pcie_width", 16)))
 
     def fabric(h, ref):
-        """fabric: {state, status, clique, cluster (16 bytes), health (mask)}; absent: NOT_SUPPORTED;
-        fabric_error: an NVML error code."""
+        """fabric: {state, status, clique, cluster (16 bytes), health (mask), summary (v3 health summary), v2_only (a
+        driver that predates the v3 structure: it answers a version mismatch)}; absent: NOT_SUPPORTED; fabric_error:
+        an NVML error code."""
         if gpus[h].get("fabric_error"):
             raise FakeNVMLError(gpus[h]["fabric_error"])
         if "fabric" not in gpus[h]:
             raise FakeNVMLError(3)
         f, info = gpus[h]["fabric"], ref._obj
+        if hasattr(info, "healthSummary"):
+            if f.get("v2_only"):
+                raise FakeNVMLError(25)
+            info.healthSummary = f.get("summary", 0)
         info.state, info.status, info.cliqueId = f.get("state", 3), f.get("status", 0), f.get("clique", 0)
         info.healthMask = f.get("health", 0)
         ctypes.memmove(info.clusterUuid, bytes(f.get("cluster", bytes(16)))[:16].ljust(16, b"\0"), 16)
