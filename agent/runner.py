@@ -26,7 +26,7 @@ from agent.kube.client import KubeApi, client_layer, connect
 from agent.kube.node_cache import NodeCache
 from agent.kube.slice_cache import SliceCache
 from agent.logs import get_logger
-from agent.model import Observation, Verdict
+from agent.model import Check, Observation, Verdict
 from agent.node_facts import OwnNode, Standing
 from agent.publisher import Publisher
 from agent.report.condition import ConditionReporter
@@ -72,6 +72,7 @@ class Agent:
             cfg, self.api, self.state, smi=self.suite.smi, kmsg_seq=lambda: self.kmsg.source.last_seq,
             on_event=self.publisher.record, registry=m.registry, log=self.log, wake=self.wake.set,
             brake=self.publisher.brake.brake_engaged,  # the fleet brake holds its evictions and resets
+            nvml=self.suite.probe(Check.NVML),  # its session is shut down while a reset runs
         )  # fmt: skip  # per-GPU recovery (docs/recovery.md); None when off
         if cfg.node_watch and (cfg.dra_counting or cfg.fencing):  # slices change rarely: twice the Node's watch
             self.suite.slice_cache = SliceCache(
@@ -102,6 +103,8 @@ class Agent:
             return False, f"no check cycle completed for {age:.0f}s (limit {3 * self.cfg.poll_interval:.0f}s)"
         if self.state.write_problem:  # a restart would lose the latches kept only in memory
             return False, f"latched faults are not persisted: {self.state.write_problem}"
+        if self.state.load_problem:  # latched faults (and recovery ladders) were lost: loud, never "ok"
+            return False, f"state file: {self.state.load_problem}"
         return True, f"ok: last cycle {age:.1f}s ago"
 
     def _unsaved(self) -> str | None:
@@ -136,7 +139,7 @@ class Agent:
         started = self.clock.wall()
         self.obs, stats = self.suite.run(node, node_err)
         if self.recovery is not None:  # its own thread: a drain, reset or proof never delays a cycle
-            self.recovery.submit(self.obs, self.suite.allocation, started)
+            self.recovery.submit(self.obs, self.suite.allocation, started, self.suite.results.get(Check.FABRIC))
         self.metrics.observe_cycle(stats, self.suite.allocation, enabled=self.cfg.pod_resources)
         self.metrics.multinode.publish(self.suite.results)
         self.cycles += 1

@@ -38,11 +38,11 @@ from agent.model import (
     Status,
     Verdict,
 )
-from agent.recovery import Remedy, Step, gpu_remedy, nvml_action_of
+from agent.recovery import REFUSED_PREFIX, Remedy, Step, gpu_remedy, nvml_action_of
 
 MESSAGE_LIMIT = 1000  # bytes; the condition message stays under 1 KiB
 # The reasons of a latched fault: a FatalXid, and a GPU whose recovery gave up (its fault stays latched).
-LATCHED_REASONS = frozenset({Reason.FATAL_XID, Reason.GPU_RECOVERY_FAILED})
+LATCHED_REASONS = frozenset({Reason.FATAL_XID, Reason.GPU_RECOVERY_FAILED, Reason.GPU_RESET_REFUSED})
 
 
 def gpu_label(addr: PciAddress | None, gpus: dict[PciAddress, GpuIdentity]) -> str:
@@ -124,6 +124,9 @@ def decide(
         add(Reason.FATAL_XID, what, lf.gpu)
     for addr, (step, why) in sorted(recovery.items()):
         if step == Step.ESCALATED and any(lf.gpu == addr for lf in latched):
+            if why.startswith(REFUSED_PREFIX):  # something held the GPU until the drain timeout: not its failure
+                add(Reason.GPU_RESET_REFUSED, why, addr)
+                continue
             add(Reason.GPU_RECOVERY_FAILED, f"recovery failed: {why}" if why else "recovery failed", addr)
 
     smi_ran = True

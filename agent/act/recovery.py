@@ -21,11 +21,14 @@ The fleet brake, when engaged, stops evictions and resets from starting (`brake`
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -34,16 +37,23 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from agent.allocation import AllocationMap
 from agent.kube.client import ApiError, KubeApi
 from agent.model import Check, GpuIdentity, LatchedFault, Observation, PciAddress, Severity
+from agent.probes import nvml_pause
+from agent.probes.device_nodes import read_minor_numbers
 from agent.proc import Run, SupervisedRunner
 from agent.recovery import (
     ACTIVE,
+    CHARGED,
     STEPS,
     Do,
     GpuRecovery,
     Policy,
     Remedy,
+    ResetAnswer,
+    ResetOutcome,
     Seen,
     Step,
+    burst,
+    classify_reset,
     decide,
     gpu_remedy,
     nvml_action_of,
@@ -69,11 +79,30 @@ MAX_PODS_EVICTED = 64  # per ladder: a GPU holds a few pods (replicas, MIG); mor
 PROOF_FIELDS = ("{index}", "{bus_id}")
 
 
+# The metric's `result` per outcome (`ok` and `timeout` as before, for dashboards that count them).
+RESULT_LABEL = {ResetOutcome.SUCCEEDED: "ok", ResetOutcome.HUNG: "timeout"}
+SETTLE_KINDS = frozenset({"fabric_not_ready", "fabric_failed", "fabric_misconfigured", "recovery_action",
+                          "row_remap_pending"})  # fmt: skip  # findings that say a reset GPU has not settled yet
+MAX_PROC_PIDS = 8192  # /proc entries read when looking for the GPU's holders
+MAX_FDS_PER_PID = 1024
+
+
 @dataclass(frozen=True)
 class Submission:
     obs: Observation
     allocation: AllocationMap | None
     started: float  # wall seconds the cycle's checks started
+    # Each GPU's NVLink fabric (state, status) where it has one; None: the fabric was not read this cycle.
+    fabric: Mapping[PciAddress, tuple[str, str]] | None = None
+
+
+def fabric_states(report: Any) -> dict[PciAddress, tuple[str, str]] | None:
+    """(state, status) per GPU that has a fabric, from the fabric probe's result (None when it did not read)."""
+    payload = getattr(report, "payload", None)
+    gpus = getattr(payload, "gpus", None)
+    if gpus is None:
+        return None
+    return {g.gpu: (str(g.state), str(g.status)) for g in gpus if getattr(g, "applicable", False)}
 
 
 class RecoveryMetrics:
@@ -117,6 +146,43 @@ class RecoverySettings:
     proof_timeout_s: float = 600.0
     plugin_namespace: str | None = None
     plugin_daemonset: str | None = None
+    burst_window_s: float = 600.0  # a second GPU's ladder within this: the node escalates (one baseboard)
+    persistence: bool = True  # turn persistence mode off for the reset, and back on after, whatever the outcome
+    proc_root: str = "/proc"  # where the GPU's holders are looked for (the host's only with hostPID)
+
+
+def find_holders(proc_root: str, minor: int | None, limit: int = 8) -> list[str]:
+    """`pid (comm)` of the processes with /dev/nvidia<minor> open, as far as this process can see them (its own
+    PID namespace: only with hostPID does that include the host's daemons). Bounded; never signals anything."""
+    if minor is None:
+        return []
+    want = f"/nvidia{minor}"
+    out: list[str] = []
+    try:
+        pids = [p for p in os.listdir(proc_root) if p.isdigit()][:MAX_PROC_PIDS]
+    except OSError:
+        return []
+    for pid in pids:
+        fd_dir = os.path.join(proc_root, pid, "fd")
+        try:
+            fds = os.listdir(fd_dir)[:MAX_FDS_PER_PID]
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(os.path.join(fd_dir, fd))
+            except OSError:
+                continue
+            if target.endswith(want) and "/dev/" in target:
+                try:
+                    comm = Path(proc_root, pid, "comm").read_text(errors="replace").strip()[:32]
+                except OSError:
+                    comm = "?"
+                out.append(f"{pid} ({comm})")
+                break
+        if len(out) >= limit:
+            break
+    return out
 
 
 class RecoveryActor:
@@ -136,8 +202,12 @@ class RecoveryActor:
         log: Any,
         brake: Callable[[], bool] = lambda: False,
         wall: Callable[[], float] = time.time,
+        quiet: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self.api, self.node, self.state, self.s = api, node, state, settings
+        self.quiet = quiet  # the agent's own GPU clients stand aside while a reset runs (its NVML session)
+        self.node_off = ""  # why no GPU of this node can be reset alone (set once; until the agent restarts)
+        self.starts: dict[str, float] = {}  # when each GPU's last ladder started (the burst window)
         self.smi, self.kmsg_seq, self.on_event, self.metrics, self.log = smi, kmsg_seq, on_event, metrics, log
         self.brake, self.wall = brake, wall
         # The reset and the proof run supervised (agent/proc.py): at their timeout, or when the agent stops
@@ -153,25 +223,30 @@ class RecoveryActor:
         """One pass over every GPU; returns whether a ladder changed (the loop publishes again)."""
         now = self.wall()
         changed = self._start_and_drop(sub, now)
-        attempts = self.state.resets
         for gpu, rec in sorted(self.state.ladders().items()):
             if rec.step not in ACTIVE:
                 continue
             addr = PciAddress.parse(gpu)
             if addr is None:
                 continue
-            new = self._advance(rec, addr, sub, attempts.get(gpu, ()), now)
+            new = self._advance(rec, addr, sub, self.state.resets.get(gpu, ()), now)
             changed |= new != rec
-        self.state.prune_resets(lambda v: prune(v, now, self.s.policy.window_s))
+        window = self.s.policy.window_s
+        self.state.prune_resets(lambda v: prune(v, now, window), now - window)
         self.metrics.show(self.state.ladders())
         return changed
 
     def _start_and_drop(self, sub: Submission, now: float) -> bool:
         """Ladders for GPUs whose latched faults a reset heals; a ladder whose faults are gone (cleared by an
-        operator, a new boot, a proven reset) is dropped; a fault a reset does not heal ends a ladder (node-level)."""
+        operator, a new boot, a proven reset) is dropped; a fault a reset does not heal ends a ladder (node-level).
+        An NVSwitch SXid on the node wins over every GPU's reset; a second GPU starting a ladder within the burst
+        window escalates every ladder of the node (one bad baseboard, not two bad GPUs)."""
         by_gpu: dict[str, list[LatchedFault]] = {}
+        sxid = False
         for lf in self.state.snapshot():
-            if lf.gpu is not None and lf.source != "sxid":
+            if lf.source == "sxid":
+                sxid = True
+            elif lf.gpu is not None:
                 by_gpu.setdefault(lf.gpu.nvml, []).append(lf)
         nvml = {
             f.gpu.nvml: nvml_action_of(f.message) for f in sub.obs.findings if f.kind == "recovery_action" and f.gpu
@@ -183,20 +258,50 @@ class RecoveryActor:
                 self.state.set_ladder(None, gpu)
                 self.asked.pop(gpu, None)
                 changed = True
-        for gpu, faults in by_gpu.items():
-            rem = gpu_remedy([f.action for f in faults], nvml.get(gpu))
+        for gpu, faults in sorted(by_gpu.items()):
+            rem = Remedy.NODE if sxid else gpu_remedy([f.action for f in faults], nvml.get(gpu))
             rec = ladders.get(gpu)
             if (rec is None or rec.step is Step.HEALTHY) and rem is Remedy.RESET:
                 new = start(gpu, [f.key for f in faults], now)
+                if sub.fabric is not None and (addr := PciAddress.parse(gpu)) in sub.fabric:
+                    new = replace(new, fabric=True)
                 self.state.set_ladder(new, gpu)
                 self.log.warning("GPU recovery started", gpu=gpu, faults=list(new.faults))
                 self._event("GPURecoveryStarted", f"{self._name(gpu, sub)}: a reset heals its fault; recovery starts",
                             gpu, "Normal")  # fmt: skip
                 changed = True
+                self._precheck(new, gpu, sub, now)
             elif rec is not None and rec.step in ACTIVE and rem is not Remedy.RESET:
-                self._escalate(rec, gpu, sub, "a fault a reset does not heal came on top", now)
+                why = "an NVSwitch fault (SXid) came on top" if sxid else "a fault a reset does not heal came on top"
+                self._escalate(rec, gpu, sub, why, now)
                 changed = True
         return changed
+
+    def _precheck(self, rec: GpuRecovery, gpu: str, sub: Submission, now: float) -> None:
+        """What ends a new ladder before any reset: the node cannot reset a GPU alone, the GPU is in MIG mode, a
+        second GPU within the burst window; and a reset of it that an earlier agent started with no outcome recorded
+        (its state file lost): proven, never run again."""
+        others = burst(self.starts, gpu, now, self.s.burst_window_s)
+        self.starts[gpu] = now
+        addr = PciAddress.parse(gpu)
+        ident = sub.obs.gpus.get(addr) if addr is not None else None
+        if self.node_off:
+            self._escalate(rec, gpu, sub, f"per-GPU reset is off on this node until the agent restarts: "
+                           f"{self.node_off}", now)  # fmt: skip
+        elif ident is not None and ident.mig_enabled:
+            self._escalate(rec, gpu, sub, "MIG mode is on: a reset drops its MIG instances (and on Hopper MIG mode "
+                           "itself); node remedy", now)  # fmt: skip
+        elif others:
+            why = (f"a second GPU faulted within {self.s.burst_window_s:g}s of {', '.join(others)}: one baseboard, "
+                   "not two bad GPUs; node remedy")  # fmt: skip
+            for g, r in sorted(self.state.ladders().items()):
+                if r.step in ACTIVE:
+                    self._escalate(r, g, sub, why, now)
+        elif (t := self.state.journal.in_flight(gpu)) is not None:
+            why = "a reset started by an earlier agent has no recorded outcome: proving it, not resetting again"
+            self.log.warning(why, gpu=gpu)
+            new = rec.at(Step.PROVING, now, why, reset_started=t, reset_done=now)
+            self.state.set_ladder(new, gpu)
 
     def _advance(
         self, rec: GpuRecovery, addr: PciAddress, sub: Submission, attempts: tuple[float, ...], now: float
@@ -206,16 +311,23 @@ class RecoveryActor:
         seen = self._seen(rec, addr, sub)
         for _ in range(len(STEPS) + 2):  # each pass moves one step at most; bounded whatever decide does
             new, do = decide(rec, seen, attempts, policy, now, brake)
+            if do is Do.RESET and self.node_off:
+                new, do = rec.at(Step.ESCALATED, now, f"per-GPU reset is off on this node: {self.node_off}"), Do.ESCALATE
             if do is Do.RESET:
                 seq = self.kmsg_seq()
                 new = replace(new, reset_seq=seq if seq is not None else -1)
-                self.state.set_ladder(new, gpu, reset_at=now)  # counted before it starts: a crash cannot re-run it
+                if not self.state.set_ladder(new, gpu, reset_at=now):  # counted before it starts, or not started
+                    self.log.error("GPU reset not started: it cannot be recorded first", gpu=gpu)
+                    return rec
                 attempts = self.state.resets.get(gpu, ())
-                ok, why = self._reset(addr, sub)
+                ans = self._reset(addr, sub)
                 if self.stopping:
-                    return new  # killed by the agent's stop: the state file says "reset started", no outcome
+                    return new  # killed by the agent's stop: the journal says "reset started", no outcome
+                ok = ans.outcome in CHARGED or ans.outcome is ResetOutcome.SUCCEEDED
+                self.state.settle_reset(gpu, now, charged=ok)
+                attempts = self.state.resets.get(gpu, ())
                 now = self.wall()  # reset_done: the checks that prove it start after this
-                seen = replace(seen, reset_result=ok, reset_error=why)
+                seen = replace(seen, reset_outcome=ans.outcome, reset_error=ans.detail)
                 rec = new
                 continue
             if do is Do.PROVE:
@@ -230,6 +342,20 @@ class RecoveryActor:
             elif do is Do.RESTORE:
                 self._restore(new, addr, sub, now)
             elif do is Do.ESCALATE:
+                self._escalated(new, gpu, sub)
+            elif do is Do.REFUND:
+                self._event("GPUResetRetry", f"{self._name(gpu, sub)}: {new.why}", f"{gpu}/refused", "Normal")
+            elif do is Do.REFUND_END:
+                self.metrics.escalations.inc()
+                self.log.error("GPU reset refused until the drain timeout; the fault stays latched", gpu=gpu,
+                               why=new.why)  # fmt: skip
+                self._event("GPUResetRefused", f"{self._name(gpu, sub)}: {new.why}; something still holds it (not a "
+                            "hardware failure); the fault stays latched", gpu, "Warning")  # fmt: skip
+            elif do is Do.NODE_OFF:
+                self.node_off = self.node_off or new.why
+                self._event("GPUResetUnavailable", f"{self._name(gpu, sub)}: {new.why}; the fault goes to the node "
+                            "remedy and per-GPU reset is off on this node until the agent restarts", "node-off",
+                            "Warning")  # fmt: skip
                 self._escalated(new, gpu, sub)
             if new != rec:
                 if new.step != rec.step:
@@ -250,6 +376,7 @@ class RecoveryActor:
             processes=processes,
             fault_after_reset=rec.reset_started is not None and self._noisy(addr, rec),
             cycle_after_reset=after,
+            settle_problem=settle_problem(sub, addr, rec.fabric) if rec.step is Step.PROVING else None,
         )
 
     def _noisy(self, addr: PciAddress, rec: GpuRecovery) -> bool:
@@ -316,21 +443,49 @@ class RecoveryActor:
             if r is not None:
                 r.kill_running()
 
-    def _reset(self, addr: PciAddress, sub: Submission) -> tuple[bool, str]:
+    def _reset(self, addr: PciAddress, sub: Submission) -> ResetAnswer:
+        """Frees the GPU (the agent's own NVML session paused, persistence mode off), resets it, puts everything
+        back whatever the outcome, and classifies what the reset answered."""
         argv = [self.s.nvidia_smi, "-r", "-i", addr.nvml]
+        ident = sub.obs.gpus.get(addr, GpuIdentity(addr))
         self.log.warning("resetting GPU", gpu=addr.nvml, command=" ".join(argv), timeout=self.s.reset_timeout_s)
-        out = self.resetter.run(argv[1:])
-        if out.error is not None:
-            self.metrics.resets.labels("error").inc()
-            return False, out.error
-        if out.exit_code is None:
-            self.metrics.resets.labels("timeout").inc()
-            return False, f"`{' '.join(argv)}` did not finish within {self.s.reset_timeout_s:g}s (killed)"
-        if out.exit_code != 0:
-            self.metrics.resets.labels("failed").inc()
-            return False, f"`{' '.join(argv)}` exited {out.exit_code}: {out.output.strip()[-200:]}"
-        self.metrics.resets.labels("ok").inc()
-        return True, ""
+        with self.quiet():
+            persistence = self._persistence_off(addr)
+            try:
+                out = self.resetter.run(argv[1:])
+            finally:
+                if persistence:
+                    self._smi_ok(["-i", addr.nvml, "-pm", "1"], "persistence mode restored", addr)
+        ans = classify_reset(
+            addr.nvml, out.exit_code, out.output, error=out.error, timed_out=out.timed_out, capped=out.output_capped
+        )
+        if ans.outcome is ResetOutcome.REFUSED:
+            holders = find_holders(self.s.proc_root, read_minor_numbers(self.s.proc_root, [addr]).get(addr))
+            seen = ", ".join(holders) if holders else (
+                "no process visible to the agent holds it (only those of its own PID namespace are: set "
+                "recovery.hostPID to see the host's)")  # fmt: skip
+            ans = replace(ans, detail=f"{ans.detail} [holders: {seen}]"[:300])
+        self.metrics.resets.labels(RESULT_LABEL.get(ans.outcome, ans.outcome.value)).inc()
+        self.log.warning("GPU reset answered", gpu=addr.nvml, outcome=ans.outcome.value, detail=ans.detail,
+                         index=ident.index)  # fmt: skip
+        return ans
+
+    def _persistence_off(self, addr: PciAddress) -> bool:
+        """Turns persistence mode off for the reset when it is on; returns whether it must be turned on again."""
+        if not self.s.persistence:
+            return False
+        run = self.smi.run(["-i", addr.nvml, "--query-gpu=persistence_mode", "--format=csv,noheader"])
+        if run.exit_code != 0 or "enabled" not in run.output.lower():
+            return False
+        return self._smi_ok(["-i", addr.nvml, "-pm", "0"], "persistence mode off for the reset", addr)
+
+    def _smi_ok(self, args: list[str], what: str, addr: PciAddress) -> bool:
+        run = self.smi.run(args)
+        if run.exit_code == 0:
+            self.log.info(what, gpu=addr.nvml)
+            return True
+        self.log.warning(f"{what}: failed", gpu=addr.nvml, exit_code=run.exit_code, output=run.output[-200:])
+        return False
 
     def _prove(self, addr: PciAddress, sub: Submission, rec: GpuRecovery) -> tuple[bool, str]:
         bad = hard_check_problem(sub.obs, addr)
@@ -426,6 +581,21 @@ class RecoveryActor:
         return f"GPU {ident.index} ({gpu})" if ident is not None and ident.index is not None else f"GPU {gpu}"
 
 
+def settle_problem(sub: Submission, addr: PciAddress, has_fabric: bool) -> str:
+    """Why a reset GPU has not settled yet ("" when it has): its fabric still training (or failed), a recovery
+    action or a row remap still pending; on a GPU that had a fabric, no fabric reading at all."""
+    for f in sub.obs.findings:
+        if f.gpu == addr and f.kind in SETTLE_KINDS:
+            return f"{f.check.value}: {f.message}"[:200]
+    if sub.fabric is not None and addr in sub.fabric:
+        state, status = sub.fabric[addr]
+        if state != "Completed" or status != "Success":
+            return f"NVLink fabric {state} / {status}"
+    elif has_fabric:
+        return "no NVLink fabric reading for a GPU that has a fabric"
+    return ""
+
+
 def hard_check_problem(obs: Observation, addr: PciAddress) -> str:
     """Why the hard checks of one cycle do not prove the GPU healthy ("" when they do): nvidia-smi and PCI list it,
     no GPU fault finding names it, and every GPU source could check."""
@@ -463,10 +633,11 @@ class RecoveryWorker:
         self.passes = 0
         self.thread: threading.Thread | None = None
 
-    def submit(self, obs: Observation, allocation: AllocationMap | None, started: float) -> None:
-        """started: wall seconds the cycle's checks started (a proof reads only checks started after the reset)."""
+    def submit(self, obs: Observation, allocation: AllocationMap | None, started: float, fabric: Any = None) -> None:
+        """started: wall seconds the cycle's checks started (a proof reads only checks started after the reset);
+        fabric: the fabric probe's result of the cycle (None: not read)."""
         with self._lock:
-            self._pending = Submission(obs, allocation, started)
+            self._pending = Submission(obs, allocation, started, fabric_states(fabric))
         self._wake.set()
 
     def start(self) -> RecoveryWorker:
@@ -511,12 +682,19 @@ def build(
     log: Any,
     wake: Callable[[], None],
     brake: Callable[[], bool] = lambda: False,
+    nvml: Any = None,
 ) -> RecoveryWorker | None:
     """The worker for these settings; None with recovery off (nothing changes). `brake`: whether the fleet brake is
     engaged now (asked before every decision; while it is, no eviction and no reset starts)."""
     if not cfg.recovery:
         return None
-    policy = Policy(cfg.recovery_drain_timeout, cfg.recovery_evict, cfg.recovery_budget, cfg.recovery_window)
+    policy = Policy(
+        cfg.recovery_drain_timeout,
+        cfg.recovery_evict,
+        cfg.recovery_budget,
+        cfg.recovery_window,
+        settle_timeout_s=cfg.recovery_settle_timeout,
+    )
     settings = RecoverySettings(
         policy,
         cfg.nvidia_smi,
@@ -525,10 +703,12 @@ def build(
         cfg.recovery_proof_timeout,
         cfg.recovery_plugin_namespace,
         cfg.recovery_plugin_daemonset,
+        burst_window_s=cfg.recovery_burst_window,
+        proc_root=cfg.proc_root,
     )
     actor = RecoveryActor(
         api, cfg.node_name, state, settings, smi=smi, kmsg_seq=kmsg_seq, on_event=on_event,
-        metrics=RecoveryMetrics(registry), log=log, brake=brake,
+        metrics=RecoveryMetrics(registry), log=log, brake=brake, quiet=lambda: nvml_pause.paused(nvml),
     )  # fmt: skip
     return RecoveryWorker(actor, wake, log)
 
@@ -576,6 +756,21 @@ SETTINGS = (
         positive(to_float, 30 * DAY),
         86400.0,
         "the retry budget's window, seconds",
+        commands=RUN_ONLY,
+    ),
+    Setting(
+        "recovery_settle_timeout",
+        positive(to_float, DAY),
+        300.0,
+        "seconds a reset GPU may take to settle (fabric trained, no recovery action or row remap pending) before "
+        "its proof fails",
+        commands=RUN_ONLY,
+    ),
+    Setting(
+        "recovery_burst_window",
+        positive(to_float, DAY),
+        600.0,
+        "a second GPU needing a reset within this many seconds stops every ladder of the node (one baseboard)",
         commands=RUN_ONLY,
     ),
     Setting(

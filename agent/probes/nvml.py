@@ -91,6 +91,7 @@ class NvmlProbe:
         self._stuck: concurrent.futures.Future[Any] | None = None
         self._initialized = False
         self._lock = threading.Lock()
+        self.paused = False  # a GPU reset runs: NVML is shut down until it ends (agent/probes/nvml_pause.py)
 
     def _lib(self) -> Any:
         if self._nvml is None:
@@ -130,6 +131,8 @@ class NvmlProbe:
     def sample(self) -> tuple[list[Finding], NvmlSnapshot | None]:
         if self.mode == "off":
             return [], None
+        if self.paused:
+            return [Finding.info(Check.NVML, "NVML paused while a GPU reset runs", kind="paused")], None
         with self._lock:
             try:
                 findings, self.snapshot = self._probe()
