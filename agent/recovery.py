@@ -146,6 +146,8 @@ def refused_backoff(refusals: int, policy: Policy) -> float:
 def burst(starts: Mapping[str, float], gpu: str, now: float, window_s: float) -> list[str]:
     """The other GPUs whose ladder started within `window_s` before `now` (a second one means one bad baseboard,
     not two bad GPUs: the node escalates)."""
+    if window_s <= 0:
+        return []
     return sorted(g for g, t in starts.items() if g != gpu and now - window_s <= t <= now + 60.0)
 
 

@@ -337,6 +337,8 @@ class RecoveryActor:
                 seen = replace(seen, proof=ok, proof_error=why)
                 rec = new
                 continue
+            if do in (Do.RESTORE, Do.ESCALATE) and new.reset_started is not None:
+                self.state.settle_reset(gpu, new.reset_started, charged=True)  # an outcome unknown until now
             if do is Do.EVICT:
                 self._evict(gpu, sub)
             elif do is Do.RESTORE:
@@ -768,9 +770,9 @@ SETTINGS = (
     ),
     Setting(
         "recovery_burst_window",
-        positive(to_float, DAY),
+        in_range(to_float, 0, DAY),
         600.0,
-        "a second GPU needing a reset within this many seconds stops every ladder of the node (one baseboard)",
+        "a second GPU needing a reset within this many seconds stops every ladder of the node (one baseboard); 0: off",
         commands=RUN_ONLY,
     ),
     Setting(
