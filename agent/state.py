@@ -376,7 +376,7 @@ class ResetJournal:
         return out
 
     def _name(self, t: float, gpu: str, boot: str, state: str) -> Path:
-        return self.path / f"{int(round(t * 1000))}.{self._gpu_tag(gpu)}.{boot}.{state}"
+        return self.path / f"{round(t * 1000)}.{self._gpu_tag(gpu)}.{boot}.{state}"
 
     def begin(self, gpu: str, t: float) -> bool:
         """Records a reset about to start; False when it could not be made durable (then it must not start)."""
@@ -423,7 +423,7 @@ class ResetJournal:
         for when, g, boot, st in self.entries():
             if when <= keep_after and not (st == "started" and boot == self.boot):
                 try:
-                    os.unlink(self.path / f"{int(round(when * 1000))}.{g}.{boot}.{st}")
+                    os.unlink(self.path / f"{round(when * 1000)}.{g}.{boot}.{st}")
                 except OSError:
                     pass
 

@@ -5,6 +5,7 @@ every GPU again), and the chart's release with recovery on."""
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -162,3 +163,19 @@ def recovery_release(
         *extra,
     ]
     return apply_release(cp, kc, name, values), plugin_ns, str(ds["metadata"]["uid"])
+
+
+def reset_processes(host: SimHost) -> list[int]:
+    """Processes running the simulated host's `nvidia-smi -r` (a hung reset left behind would be one)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        args = cmd.split(b"\0")
+        if str(host.nvidia_smi).encode() in args and b"-r" in args:
+            out.append(int(pid))
+    return out

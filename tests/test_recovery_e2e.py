@@ -11,22 +11,19 @@ escalates)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
-from testkit.simhost import SimHost
 
 pytest.importorskip("grpc")  # the pod-resources stand-in's server (dev extra)
 
 from testkit.podresources import serve_pod_resources
-from testkit.recovery import Node
+from testkit.recovery import Node, reset_processes
 from testkit.recovery import recovery_release as make_release
 
 K = 4  # the GPU that faults
@@ -49,22 +46,6 @@ def node(control_plane, recovery_release, tmp_path) -> Iterator[tuple[Node, str]
         n.kubelet = k
         n.sync(advertised=set(range(8)))
         yield n, sock
-
-
-def reset_processes(host: SimHost) -> list[int]:
-    """Processes running the simulated host's `nvidia-smi -r` (a hung reset left behind would be one)."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        args = cmd.split(b"\0")
-        if str(host.nvidia_smi).encode() in args and b"-r" in args:
-            out.append(int(pid))
-    return out
 
 
 @pytest.mark.apiserver

@@ -119,7 +119,7 @@ def test_an_sxid_wins_over_a_gpu_reset(tmp_path):
 
 
 def test_two_gpus_in_one_pass_are_one_baseboard_and_nothing_is_reset(tmp_path):
-    a, events, state = actor(tmp_path)
+    a, _, state = actor(tmp_path)
     state.latch(xid(A), T0)
     state.latch(xid(B, seq=2), T0)
     a.step(sub())

@@ -26,24 +26,24 @@ from agent.recovery import (
 )
 from testkit.fixture_files import fixture_path as fixture
 
-O = ResetOutcome
+R = ResetOutcome
 GPU = "00000000:BB:00.0"
 T0 = 1_800_000_000.0
 P = Policy(drain_timeout_s=100.0, budget=2, window_s=86400.0, settle_timeout_s=30.0, refused_backoff_s=5.0)
 
 # (fixture, the GPU reset, its exit code as the source reports it, the outcome)
 CAPTURED = [
-    ("reset-refused-persistence-nvsentinel-1690.txt", "00000000:1A:00.0", 255, O.REFUSED),
-    ("reset-succeeded-nvsentinel-1690.txt", "00000000:1A:00.0", 0, O.SUCCEEDED),
-    ("reset-refused-persistenced-gpu-operator-118.txt", "00000000:C1:00.0", 255, O.REFUSED),
-    ("reset-succeeded-gpu-operator-118.txt", "00000000:C1:00.0", 0, O.SUCCEEDED),
-    ("reset-refused-nvidia-drm-magic-castle-387.txt", "00000000:00:06.0", 255, O.REFUSED),
-    ("reset-refused-compute-process-code-index.txt", "00000000:18:00.0", 255, O.REFUSED),
-    ("reset-unsupported-primary-gpu-code-index.txt", "00000000:01:00.0", 255, O.UNSUPPORTED),
-    ("reset-unsupported-insufficient-permissions-code-index.txt", "00000000:57:00.0", 4, O.UNSUPPORTED),
-    ("reset-unsupported-unknown-error-constructed.txt", GPU, 255, O.UNSUPPORTED),
-    ("reset-unsupported-not-supported-constructed.txt", GPU, 3, O.UNSUPPORTED),
-    ("reset-needs-peers-constructed.txt", GPU, 255, O.NEEDS_PEERS),
+    ("reset-refused-persistence-nvsentinel-1690.txt", "00000000:1A:00.0", 255, R.REFUSED),
+    ("reset-succeeded-nvsentinel-1690.txt", "00000000:1A:00.0", 0, R.SUCCEEDED),
+    ("reset-refused-persistenced-gpu-operator-118.txt", "00000000:C1:00.0", 255, R.REFUSED),
+    ("reset-succeeded-gpu-operator-118.txt", "00000000:C1:00.0", 0, R.SUCCEEDED),
+    ("reset-refused-nvidia-drm-magic-castle-387.txt", "00000000:00:06.0", 255, R.REFUSED),
+    ("reset-refused-compute-process-code-index.txt", "00000000:18:00.0", 255, R.REFUSED),
+    ("reset-unsupported-primary-gpu-code-index.txt", "00000000:01:00.0", 255, R.UNSUPPORTED),
+    ("reset-unsupported-insufficient-permissions-code-index.txt", "00000000:57:00.0", 4, R.UNSUPPORTED),
+    ("reset-unsupported-unknown-error-constructed.txt", GPU, 255, R.UNSUPPORTED),
+    ("reset-unsupported-not-supported-constructed.txt", GPU, 3, R.UNSUPPORTED),
+    ("reset-needs-peers-constructed.txt", GPU, 255, R.NEEDS_PEERS),
 ]
 
 
@@ -56,43 +56,43 @@ def test_every_captured_reset_answer_is_classified(name, bus, code, want):
     ans = classify_reset(bus, code, text(name))
     assert ans.outcome is want, ans
     assert ans.detail  # one line for the Event, from what it printed
-    if want is O.NEEDS_PEERS:
+    if want is R.NEEDS_PEERS:
         assert ans.peers == ("00000000:CB:00.0", "00000000:DB:00.0")  # the peers it named, not the GPU itself
 
 
 def test_success_counts_only_when_the_output_names_this_gpu():
     ok = text("reset-succeeded-nvsentinel-1690.txt")
-    assert classify_reset("00000000:1A:00.0", 0, ok).outcome is O.SUCCEEDED
-    assert classify_reset("0000:1a:00.0", 0, ok).outcome is O.SUCCEEDED  # the same GPU in the kernel's spelling
+    assert classify_reset("00000000:1A:00.0", 0, ok).outcome is R.SUCCEEDED
+    assert classify_reset("0000:1a:00.0", 0, ok).outcome is R.SUCCEEDED  # the same GPU in the kernel's spelling
     other = classify_reset(GPU, 0, ok)  # exit 0 naming another GPU: not this GPU's success
-    assert other.outcome is O.FAILED and "does not name" in other.detail
-    assert classify_reset(GPU, 0, "").outcome is O.FAILED  # a silent exit 0 (a passthrough VM's no-op) is no proof
+    assert other.outcome is R.FAILED and "does not name" in other.detail
+    assert classify_reset(GPU, 0, "").outcome is R.FAILED  # a silent exit 0 (a passthrough VM's no-op) is no proof
 
 
 def test_the_exit_code_alone_and_what_could_not_run():
-    assert classify_reset(GPU, 3, "").outcome is O.UNSUPPORTED  # the man page: 3 = not available on this target
-    assert classify_reset(GPU, 255, "something else").outcome is O.FAILED
-    assert classify_reset(GPU, None, "", error="[Errno 2] No such file").outcome is O.TOOL_MISSING
+    assert classify_reset(GPU, 3, "").outcome is R.UNSUPPORTED  # the man page: 3 = not available on this target
+    assert classify_reset(GPU, 255, "something else").outcome is R.FAILED
+    assert classify_reset(GPU, None, "", error="[Errno 2] No such file").outcome is R.TOOL_MISSING
     hung = classify_reset(GPU, None, "Resetting...", timed_out=True)
-    assert hung.outcome is O.HUNG and "killed" in hung.detail
+    assert hung.outcome is R.HUNG and "killed" in hung.detail
 
 
 def test_a_reset_printing_more_than_the_cap_is_read_from_what_was_captured_not_called_a_timeout():
     flood = "x" * 1000 + "\n" + text("reset-refused-persistence-nvsentinel-1690.txt").replace("1A", "BB")
-    assert classify_reset(GPU, None, flood, timed_out=True, capped=True).outcome is O.REFUSED
+    assert classify_reset(GPU, None, flood, timed_out=True, capped=True).outcome is R.REFUSED
     noise = classify_reset(GPU, None, "garbage\n" * 100, timed_out=True, capped=True)
-    assert noise.outcome is O.FAILED and "output cap" in noise.detail  # not "hung"
+    assert noise.outcome is R.FAILED and "output cap" in noise.detail  # not "hung"
     said_ok = classify_reset(GPU, None, f"GPU {GPU} was successfully reset.\n" + "y" * 100, capped=True)
-    assert said_ok.outcome is O.FAILED  # stopped mid-flood: nothing says it finished
+    assert said_ok.outcome is R.FAILED  # stopped mid-flood: nothing says it finished
 
 
 def test_classification_is_linear_on_a_huge_output():
     huge = ("In use " * 200_000) + "GPU 00000000:BB:00.0 was successfully reset."
-    assert classify_reset(GPU, 0, huge).outcome is O.SUCCEEDED  # only the last 64 KiB are read
+    assert classify_reset(GPU, 0, huge).outcome is R.SUCCEEDED  # only the last 64 KiB are read
 
 
 def test_only_failed_and_hung_are_charged():
-    assert CHARGED == {O.FAILED, O.HUNG}
+    assert {R.FAILED, R.HUNG} == CHARGED
 
 
 # -- the ladder's answer to each outcome -----------------------------------------------------------------------
@@ -104,7 +104,7 @@ def resetting(now: float = T0) -> object:
 
 
 def test_refused_retries_with_backoff_uncharged_then_ends_as_reset_refused():
-    rec, do = decide(resetting(), Seen(reset_outcome=O.REFUSED, reset_error="In use"), (T0,), P, T0 + 1)
+    rec, do = decide(resetting(), Seen(reset_outcome=R.REFUSED, reset_error="In use"), (T0,), P, T0 + 1)
     assert do is Do.REFUND and rec.step is Step.RESETTING and rec.reset_started is None and rec.refusals == 1
     assert rec.retry_at == T0 + 1 + 5.0
     rec2, do = decide(rec, Seen(pods=0, processes=0), (), P, T0 + 3)
@@ -113,7 +113,7 @@ def test_refused_retries_with_backoff_uncharged_then_ends_as_reset_refused():
     assert do is Do.RESET and rec3.reset_started == T0 + 7
     assert [refused_backoff(n, P) for n in (1, 2, 3, 5, 9)] == [5.0, 10.0, 20.0, 60.0, 60.0]
     # refused until the drain timeout: its own end, not a GPU failure
-    rec4, do = decide(rec3, Seen(reset_outcome=O.REFUSED, reset_error="In use [holders: 77 (nv-hostengine)]"), (),
+    rec4, do = decide(rec3, Seen(reset_outcome=R.REFUSED, reset_error="In use [holders: 77 (nv-hostengine)]"), (),
                       P, T0 + 101)  # fmt: skip
     assert do is Do.REFUND_END and rec4.step is Step.ESCALATED and rec4.why.startswith(REFUSED_PREFIX)
     assert "nv-hostengine" in rec4.why
@@ -122,20 +122,20 @@ def test_refused_retries_with_backoff_uncharged_then_ends_as_reset_refused():
     assert do is Do.REFUND_END and rec5.why.startswith(REFUSED_PREFIX)
 
 
-@pytest.mark.parametrize("outcome", [O.UNSUPPORTED, O.NEEDS_PEERS, O.TOOL_MISSING])
+@pytest.mark.parametrize("outcome", [R.UNSUPPORTED, R.NEEDS_PEERS, R.TOOL_MISSING])
 def test_unsupported_needs_peers_and_tool_missing_go_to_the_node_remedy(outcome):
     rec, do = decide(resetting(), Seen(reset_outcome=outcome, reset_error="x"), (T0,), P, T0 + 1)
     assert do is Do.NODE_OFF and rec.step is Step.ESCALATED and outcome.value in rec.why
 
 
-@pytest.mark.parametrize("outcome", [O.FAILED, O.HUNG])
+@pytest.mark.parametrize("outcome", [R.FAILED, R.HUNG])
 def test_failed_and_hung_escalate(outcome):
     rec, do = decide(resetting(), Seen(reset_outcome=outcome, reset_error="x"), (T0,), P, T0 + 1)
     assert do is Do.ESCALATE and rec.step is Step.ESCALATED and "reset failed" in rec.why
 
 
 def test_a_gpu_still_settling_is_waited_for_then_its_proof_fails_at_the_settle_timeout():
-    rec, do = decide(resetting(), Seen(reset_outcome=O.SUCCEEDED), (T0,), P, T0 + 1)
+    rec, do = decide(resetting(), Seen(reset_outcome=R.SUCCEEDED), (T0,), P, T0 + 1)
     assert rec.step is Step.PROVING and do is Do.WAIT
     training = Seen(cycle_after_reset=True, settle_problem="NVLink fabric In Progress / N/A")
     rec2, do = decide(rec, training, (T0,), P, T0 + 10)

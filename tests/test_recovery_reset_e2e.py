@@ -28,7 +28,7 @@ from testkit.harness import wait_for
 pytest.importorskip("grpc")  # the pod-resources stand-in's server (dev extra)
 
 from testkit.podresources import serve_pod_resources
-from testkit.recovery import Node
+from testkit.recovery import Node, reset_processes
 from testkit.recovery import recovery_release as make_release
 
 K = 4  # the GPU that faults
@@ -182,8 +182,6 @@ def test_sigkill_during_a_reset_with_the_state_file_cut_in_half_never_resets_twi
     """The reset is recorded in the reset journal (a file of its own, created before the reset starts); the state
     file torn in the middle of a write loses the latches and the ladder, not the journal: the restarted agent
     replays the kernel log, finds the reset started with no outcome, and proves it instead of resetting again."""
-    from tests.test_recovery_e2e import reset_processes
-
     n, sock = node
     n.host.set_reset("hang", seconds=3600)
     a = n.agent(sock, **{"--recovery-reset-timeout": "300"})

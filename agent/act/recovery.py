@@ -26,7 +26,7 @@ import os
 import shlex
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -263,7 +263,7 @@ class RecoveryActor:
             rec = ladders.get(gpu)
             if (rec is None or rec.step is Step.HEALTHY) and rem is Remedy.RESET:
                 new = start(gpu, [f.key for f in faults], now)
-                if sub.fabric is not None and (addr := PciAddress.parse(gpu)) in sub.fabric:
+                if sub.fabric is not None and PciAddress.parse(gpu) in sub.fabric:
                     new = replace(new, fabric=True)
                 self.state.set_ladder(new, gpu)
                 self.log.warning("GPU recovery started", gpu=gpu, faults=list(new.faults))
@@ -312,7 +312,10 @@ class RecoveryActor:
         for _ in range(len(STEPS) + 2):  # each pass moves one step at most; bounded whatever decide does
             new, do = decide(rec, seen, attempts, policy, now, brake)
             if do is Do.RESET and self.node_off:
-                new, do = rec.at(Step.ESCALATED, now, f"per-GPU reset is off on this node: {self.node_off}"), Do.ESCALATE
+                new, do = (
+                    rec.at(Step.ESCALATED, now, f"per-GPU reset is off on this node: {self.node_off}"),
+                    Do.ESCALATE,
+                )
             if do is Do.RESET:
                 seq = self.kmsg_seq()
                 new = replace(new, reset_seq=seq if seq is not None else -1)
