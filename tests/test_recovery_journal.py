@@ -138,3 +138,24 @@ def test_holders_are_found_through_proc_and_never_signalled(tmp_path):
     assert find_holders(str(proc), None) == [] and find_holders(str(tmp_path / "none"), 4) == []
     # this process's own NVIDIA-less view of the real /proc: nothing, and no error
     assert find_holders("/proc", 250) == []
+
+
+def test_a_reset_gpu_settles_only_with_its_fabric_trained_and_nothing_pending():
+    from agent.act.recovery import settle_problem
+    from agent.model import Check, Finding, Reason
+
+    def sub_with(findings: list[Finding], fabric: dict[PciAddress, tuple[str, str]] | None) -> Submission:
+        return Submission(Observation(findings=findings, gpus={A: GpuIdentity(A, 4)}), None, T0, fabric)
+
+    done = {A: ("Completed", "Success")}
+    assert settle_problem(sub_with([], done), A, has_fabric=True) == ""
+    assert "In Progress" in settle_problem(sub_with([], {A: ("In Progress", "N/A")}), A, has_fabric=True)
+    # a system with a fabric: a cycle without a fabric reading is not settled; without one it does not matter
+    assert "no NVLink fabric reading" in settle_problem(sub_with([], None), A, has_fabric=True)
+    assert settle_problem(sub_with([], None), A, has_fabric=False) == ""
+    action = Finding.fault(Check.NVML, Reason.NVML_HEALTH, "GPU recovery action: GPU reset", A, kind="recovery_action")
+    remap = Finding.info(Check.NVML, "row remap pending (activates at the next GPU reset)", A, kind="row_remap_pending")
+    assert "recovery action" in settle_problem(sub_with([action], done), A, has_fabric=True)
+    assert "row remap pending" in settle_problem(sub_with([remap], done), A, has_fabric=True)
+    other = Finding.info(Check.NVML, "row remap pending", B, kind="row_remap_pending")
+    assert settle_problem(sub_with([other], done), A, has_fabric=True) == ""  # another GPU's

@@ -278,3 +278,17 @@ def test_recovery_without_pod_resources_fails_with_one_line():
     r = helm("template", "x", str(CHART), "--set", "recovery.enabled=true", check=False)
     assert r.returncode != 0
     assert "recovery.enabled needs podResources.enabled" in r.stderr, r.stderr
+
+
+def test_host_pid_only_with_recovery_and_only_when_asked():
+    """`recovery.hostPID` lets a refused reset name the host process holding the GPU; it is off by default and means
+    nothing without recovery."""
+
+    def host_pid(vals: list[str]) -> bool | None:
+        (ds,) = by_kind(render(vals), "DaemonSet").values()
+        return ds["spec"]["template"]["spec"].get("hostPID")
+
+    on = ["--set", "recovery.enabled=true", "--set", "podResources.enabled=true"]
+    assert host_pid([]) is None and host_pid(on) is None
+    assert host_pid(["--set", "recovery.hostPID=true"]) is None  # recovery off: nothing
+    assert host_pid([*on, "--set", "recovery.hostPID=true"]) is True

@@ -300,7 +300,8 @@ class RecoveryActor:
         elif (t := self.state.journal.in_flight(gpu)) is not None:
             why = "a reset started by an earlier agent has no recorded outcome: proving it, not resetting again"
             self.log.warning(why, gpu=gpu)
-            new = rec.at(Step.PROVING, now, why, reset_started=t, reset_done=now)
+            seq = self.kmsg_seq()  # what the kernel log said before now is taken as said before the reset
+            new = rec.at(Step.PROVING, now, why, reset_started=t, reset_done=now, reset_seq=-1 if seq is None else seq)
             self.state.set_ladder(new, gpu)
 
     def _advance(
