@@ -15,6 +15,7 @@ nvidia-smi answering `-r` with the words of real resets (tests/fixtures/reset-*.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -85,6 +86,49 @@ def test_a_reset_refused_by_a_holder_costs_no_budget_and_ends_as_gpu_reset_refus
         assert "GPURecoveryFailed" not in n.events()
     finally:
         a.terminate()
+
+
+@pytest.mark.apiserver
+def test_a_holder_daemonsets_pod_is_deleted_before_the_reset_which_then_succeeds(control_plane, tmp_path):
+    """`recovery.releaseHolders` (dcgm-exporter here): the stand-in refuses the reset while the holder pod runs; the
+    agent deletes that pod on its node first (the chart's policy allows exactly it), the kubelet stand-in stops it,
+    and the one reset succeeds. The holder's pod on another node is never touched."""
+    from testkit.cluster import ensure_namespace
+    from testkit.recovery import create_plugin_daemonset
+
+    admin = control_plane.admin()
+    hns = f"dcgm-{secrets.token_hex(3)}"
+    ensure_namespace(admin, hns)
+    ds = create_plugin_daemonset(admin, hns, "nvidia-dcgm-exporter")
+    extra = ["--set", f"recovery.releaseHolders[0].namespace={hns}",
+             "--set", "recovery.releaseHolders[0].daemonSet=nvidia-dcgm-exporter"]  # fmt: skip
+    rel, plugin_ns, uid = make_release(control_plane, control_plane.kubeconfig(tmp_path / "admin"), "rsh", extra)
+    n = Node(control_plane, admin, rel, plugin_ns, uid, tmp_path)
+    elsewhere = Node(control_plane, admin, rel, plugin_ns, uid, tmp_path / "b")
+    with serve_pod_resources() as (sock, k):
+        n.kubelet = k
+        n.sync(advertised=set(range(8)))
+        handle = tmp_path / "dcgm-handle"
+        n.add_holder_pod(ds, handle)
+        theirs = elsewhere.add_holder_pod(ds, tmp_path / "other-handle")
+        n.host.set_reset("ok", refused=refused_for(n), held_by_files=(handle,))
+        a = n.agent(sock)
+        try:
+            a.wait_status(admin, "True", timeout=60)
+            n.host.append_xid(119, gpu=K)
+            n.sync(advertised=set(range(8)) - {K})
+            wait_for(lambda: (n.kubelet_step(), n.host.resets() and (n.gpu_ready() or {}).get("status") == "True")[1],
+                     60, 0.05, "the holder released, the GPU reset and proven")  # fmt: skip
+            assert not handle.exists() and not n.holders
+            # a reset refused before the kubelet stopped the holder is given back; the one success counts
+            assert journal(n)[-1] == "charged" and set(journal(n)[:-1]) <= {"free"}
+            assert a.metric("gpu_ready_gpu_resets_total", {"result": "ok"}) == 1.0
+            p = admin.request("GET", f"/api/v1/namespaces/{theirs[0]}/pods/{theirs[1]}")
+            assert not p["metadata"].get("deletionTimestamp")  # the other node's holder: untouched
+            wait_for(lambda: "GPUHolderReleased" in n.events(), 30, 0.2, "the GPUHolderReleased Event")
+        finally:
+            a.terminate()
+            admin.close()
 
 
 @pytest.mark.apiserver

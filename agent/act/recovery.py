@@ -149,6 +149,7 @@ class RecoverySettings:
     burst_window_s: float = 600.0  # a second GPU's ladder within this: the node escalates (one baseboard)
     persistence: bool = True  # turn persistence mode off for the reset, and back on after, whatever the outcome
     proc_root: str = "/proc"  # where the GPU's holders are looked for (the host's only with hostPID)
+    release_holders: tuple[tuple[str, str], ...] = ()  # DaemonSets whose pod on this node is deleted before a reset
 
 
 def find_holders(proc_root: str, minor: int | None, limit: int = 8) -> list[str]:
@@ -455,6 +456,8 @@ class RecoveryActor:
         argv = [self.s.nvidia_smi, "-r", "-i", addr.nvml]
         ident = sub.obs.gpus.get(addr, GpuIdentity(addr))
         self.log.warning("resetting GPU", gpu=addr.nvml, command=" ".join(argv), timeout=self.s.reset_timeout_s)
+        if self.s.release_holders:
+            self._release_holders(addr)
         with self.quiet():
             persistence = self._persistence_off(addr)
             try:
@@ -541,30 +544,47 @@ class RecoveryActor:
 
     def _restart_plugin(self, addr: PciAddress) -> None:
         ns, ds = self.s.plugin_namespace or "", self.s.plugin_daemonset or ""
+        for pod in self._delete_ds_pods(ns, ds):
+            self.log.info("device plugin pod restarted", pod=f"{ns}/{pod}", gpu=addr.nvml)
+            self._event("DevicePluginRestarted", f"pod {ns}/{pod} of DaemonSet {ds} deleted so that "
+                        f"it advertises GPU {addr.nvml} again", f"{addr.nvml}/plugin", "Normal")  # fmt: skip
+
+    def _release_holders(self, addr: PciAddress) -> None:
+        """Deletes the pod of each `release_holders` DaemonSet on this node (its handles on the GPUs go with it; its
+        DaemonSet starts it again). The chart's admission policy allows exactly these pods on this node."""
+        for ns, ds in self.s.release_holders:
+            for pod in self._delete_ds_pods(ns, ds):
+                self.log.info("holder pod deleted before a GPU reset", pod=f"{ns}/{pod}", gpu=addr.nvml)
+                self._event("GPUHolderReleased", f"pod {ns}/{pod} of DaemonSet {ds} deleted to release GPU "
+                            f"{addr.nvml} for its reset", f"{addr.nvml}/holder/{ns}/{pod}", "Normal")  # fmt: skip
+
+    def _delete_ds_pods(self, ns: str, ds: str) -> list[str]:
+        """Deletes the pods of DaemonSet `ns`/`ds` on this node (UID-preconditioned); returns the ones deleted."""
         path = f"/api/v1/namespaces/{quote(ns, safe='')}/pods"
         try:
             pods = self.api.request("GET", path, query={"fieldSelector": f"spec.nodeName={self.node}"}, verb="LIST")
         except ApiError as e:
-            self.log.warning("cannot list the device plugin's pods", namespace=ns, error=str(e))
-            return
+            self.log.warning("cannot list a DaemonSet's pods", namespace=ns, daemonset=ds, error=str(e))
+            return []
+        gone = []
         for p in (pods.get("items") or [])[:256]:
             meta = p.get("metadata") or {}
             owners = meta.get("ownerReferences") or []
-            if not any(o.get("kind") == "DaemonSet" and o.get("name") == ds for o in owners):
+            if meta.get("deletionTimestamp") or not any(
+                o.get("kind") == "DaemonSet" and o.get("name") == ds for o in owners
+            ):
                 continue
-            pre = {"uid": meta.get("uid")} if meta.get("uid") else None
             body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
-            if pre:
-                body["preconditions"] = pre
+            if meta.get("uid"):
+                body["preconditions"] = {"uid": meta.get("uid")}
             try:
                 self.api.request("DELETE", f"{path}/{quote(str(meta.get('name')), safe='')}", body)
             except ApiError as e:
                 if e.status != 404:
-                    self.log.warning("cannot restart the device plugin's pod", pod=meta.get("name"), error=str(e))
+                    self.log.warning("cannot delete a DaemonSet's pod", pod=meta.get("name"), error=str(e))
                 continue
-            self.log.info("device plugin pod restarted", pod=f"{ns}/{meta.get('name')}", gpu=addr.nvml)
-            self._event("DevicePluginRestarted", f"pod {ns}/{meta.get('name')} of DaemonSet {ds} deleted so that "
-                        f"it advertises GPU {addr.nvml} again", f"{addr.nvml}/plugin", "Normal")  # fmt: skip
+            gone.append(str(meta.get("name")))
+        return gone
 
     def _escalate(self, rec: GpuRecovery, gpu: str, sub: Submission, why: str, now: float) -> None:
         new = rec.at(Step.ESCALATED, now, why)
@@ -711,6 +731,7 @@ def build(
         cfg.recovery_plugin_daemonset,
         burst_window_s=cfg.recovery_burst_window,
         proc_root=cfg.proc_root,
+        release_holders=tuple(cfg.recovery_release_holders),
     )
     actor = RecoveryActor(
         api, cfg.node_name, state, settings, smi=smi, kmsg_seq=kmsg_seq, on_event=on_event,
@@ -780,6 +801,14 @@ SETTINGS = (
         commands=RUN_ONLY,
     ),
     Setting(
+        "recovery_release_holders",
+        lambda v: _holders(v),
+        (),
+        "namespace/daemonset list: their pod on this node (the device plugin, DCGM, dcgm-exporter) is deleted before "
+        "a GPU reset to release its handles (its DaemonSet starts it again)",
+        commands=RUN_ONLY,
+    ),
+    Setting(
         "recovery_plugin_namespace",
         optional(dns_subdomain),
         None,
@@ -794,6 +823,21 @@ SETTINGS = (
         commands=RUN_ONLY,
     ),
 )
+
+
+def _holders(v: Any) -> tuple[tuple[str, str], ...]:
+    """`namespace/daemonset` entries (a list, or a comma-separated string): DaemonSets whose pod on this node holds
+    the GPUs (the device plugin, DCGM, dcgm-exporter) and is deleted before a reset."""
+    items = v if isinstance(v, list | tuple) else [x for x in str(v).replace(" ", ",").split(",") if x]
+    if len(items) > 16:
+        raise ValueError(f"at most 16 DaemonSets, got {len(items)}")
+    out = []
+    for item in items:
+        ns, sep, name = str(item).partition("/")
+        if not sep:
+            raise ValueError(f"expected namespace/daemonset, got {item!r}")
+        out.append((dns_subdomain(ns), dns_subdomain(name)))
+    return tuple(out)
 
 
 def _proof_command(v: Any) -> str:
