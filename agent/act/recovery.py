@@ -208,6 +208,8 @@ class RecoveryActor:
         self.api, self.node, self.state, self.s = api, node, state, settings
         self.quiet = quiet  # the agent's own GPU clients stand aside while a reset runs (its NVML session)
         self.node_off = ""  # why no GPU of this node can be reset alone (set once; until the agent restarts)
+        self.awaiting: dict[str, tuple[float, float, str]] = {}  # GPUs proven, plugin restarted: (deadline, took,
+        # name) until the GPU is back in the node's allocatable (then GPURecovered)
         self.starts: dict[str, float] = {}  # when each GPU's last ladder started (the burst window)
         self.smi, self.kmsg_seq, self.on_event, self.metrics, self.log = smi, kmsg_seq, on_event, metrics, log
         self.brake, self.wall = brake, wall
@@ -232,6 +234,7 @@ class RecoveryActor:
                 continue
             new = self._advance(rec, addr, sub, self.state.resets.get(gpu, ()), now)
             changed |= new != rec
+        self._announce_back(sub, now)
         window = self.s.policy.window_s
         self.state.prune_resets(lambda v: prune(v, now, window), now - window)
         self.metrics.show(self.state.ladders())
@@ -526,12 +529,34 @@ class RecoveryActor:
         took = max(0.0, now - rec.since)
         self.metrics.last_seconds.set(took)
         self.log.info("GPU recovered", gpu=addr.nvml, seconds=round(took, 1), cleared=len(gone))
+        if self._plugin_marked(addr, sub):
+            self._restart_plugin(addr)  # GPURecovered once the plugin advertises the GPU again
+            self.awaiting[addr.nvml] = (now + self.s.policy.settle_timeout_s, took, self._name(addr.nvml, sub))
+            return
         note = (
             f"{self._name(addr.nvml, sub)} reset and proven healthy {took:.0f}s after its fault; its fault is cleared"
         )
         self._event("GPURecovered", note, addr.nvml, "Normal")
-        if self._plugin_marked(addr, sub):
-            self._restart_plugin(addr)
+
+    def _announce_back(self, sub: Submission, now: float) -> None:
+        """GPURecovered for a proven GPU once it is back in the node's allocatable after the plugin's restart (its
+        advertisement or its DRA slice); a warning when it does not come back within the settle timeout."""
+        for gpu, (deadline, took, name) in list(self.awaiting.items()):
+            addr = PciAddress.parse(gpu)
+            back = sub.allocation is not None and any(g.gpu == addr and not g.fenced for g in sub.allocation.gpus)
+            if back:
+                note = (f"{name} reset and proven healthy {took:.0f}s after its fault; its fault is cleared and it "
+                        "is back in the node's allocatable")  # fmt: skip
+                self._event("GPURecovered", note, gpu, "Normal")
+            elif now > deadline:
+                why = "cannot tell (no allocation view)" if sub.allocation is None else "it is not advertised"
+                note = (f"{name} reset and proven healthy, its fault cleared, but it did not come back in the node's "
+                        f"allocatable within {self.s.policy.settle_timeout_s:g}s after the device plugin's restart: "
+                        f"{why}")  # fmt: skip
+                self._event("GPUNotReadvertised", note, gpu, "Warning")
+            else:
+                continue
+            del self.awaiting[gpu]
 
     def _plugin_marked(self, addr: PciAddress, sub: Submission) -> bool:
         """The device plugin left the GPU out of allocatable (it never takes back a device it marked unhealthy
