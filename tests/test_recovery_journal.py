@@ -159,3 +159,35 @@ def test_a_reset_gpu_settles_only_with_its_fabric_trained_and_nothing_pending():
     assert "row remap pending" in settle_problem(sub_with([remap], done), A, has_fabric=True)
     other = Finding.info(Check.NVML, "row remap pending", B, kind="row_remap_pending")
     assert settle_problem(sub_with([other], done), A, has_fabric=True) == ""  # another GPU's
+
+
+def test_the_agents_nvml_session_is_shut_down_for_a_reset_and_opened_again_after():
+    """An open NVML session holds every GPU (the reset would answer "In use by another client"): while a reset runs
+    the probe's session is shut down and its cycles report "paused" without waiting; the next read after it opens
+    NVML again."""
+    from agent.probes.nvml import NvmlProbe
+    from agent.probes.nvml_pause import paused
+    from testkit.fakes import fake_nvml
+
+    lib = fake_nvml([{"busId": "00000000:BB:00.0"}])
+    calls: list[str] = []
+    for name in ("nvmlInit", "nvmlShutdown"):
+        real = getattr(lib, name, lambda: None)
+
+        def counted(*a: Any, _n: str = name, _f: Any = real) -> Any:
+            calls.append(_n)
+            return _f(*a)
+
+        counted.__name__ = name
+        setattr(lib, name, counted)
+    probe = NvmlProbe("on", nvml=lib)
+    findings, snap = probe.sample()
+    assert snap is not None and calls == ["nvmlInit"]
+    with paused(probe) as shut:
+        assert shut and calls == ["nvmlInit", "nvmlShutdown"]
+        findings, snap = probe.sample()  # a cycle during the reset: no NVML call at all
+        assert snap is None and [f.kind for f in findings] == ["paused"] and len(calls) == 2
+    findings, snap = probe.sample()
+    assert snap is not None and calls == ["nvmlInit", "nvmlShutdown", "nvmlInit"]
+    with paused(None) as shut:  # no NVML probe (NVML off): nothing to do
+        assert shut is False
