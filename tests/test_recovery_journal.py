@@ -191,3 +191,14 @@ def test_the_agents_nvml_session_is_shut_down_for_a_reset_and_opened_again_after
     assert snap is not None and calls == ["nvmlInit", "nvmlShutdown", "nvmlInit"]
     with paused(None) as shut:  # no NVML probe (NVML off): nothing to do
         assert shut is False
+
+
+def test_the_check_loops_nvidia_smi_stands_aside_during_a_reset():
+    from agent.probes.nvidia_smi import NvidiaSmiRunner, probe_nvidia_smi
+    from agent.probes.nvml_pause import smi_paused
+
+    runner = NvidiaSmiRunner("true", timeout_s=10)
+    with smi_paused(runner):
+        r = probe_nvidia_smi(runner)  # a cycle during the reset: no nvidia-smi started, "could not check"
+        assert not r.ran and "paused while a GPU reset runs" in r.findings[0].message
+    assert runner.run().exit_code == 0  # after it: runs again

@@ -216,6 +216,8 @@ class RecoveryActor:
         # The reset and the proof run supervised (agent/proc.py): at their timeout, or when the agent stops
         # (`kill_running`), their process group and whatever they left behind are killed; nothing outlives the agent.
         self.resetter = SupervisedRunner(settings.nvidia_smi, settings.reset_timeout_s, name="nvidia-smi -r")
+        # persistence mode around the reset: a runner of its own (the check loop's nvidia-smi is paused meanwhile)
+        self.pm = SupervisedRunner(settings.nvidia_smi, 30.0, name="nvidia-smi -pm")
         self.prover: SupervisedRunner | None = None
         self.stopping = False  # the agent stops: an outcome cut short by that is not an outcome
         self.asked: dict[str, set[tuple[str, str]]] = {}  # per GPU: pods already evicted in this ladder
@@ -449,7 +451,7 @@ class RecoveryActor:
         """The agent stops: a reset or proof in flight is killed with everything it started. Its outcome is not
         recorded: the state file keeps the reset as started, and the next agent goes on to the proof."""
         self.stopping = True
-        for r in (self.resetter, self.prover):
+        for r in (self.resetter, self.prover, self.pm):
             if r is not None:
                 r.kill_running()
 
@@ -461,7 +463,7 @@ class RecoveryActor:
         self.log.warning("resetting GPU", gpu=addr.nvml, command=" ".join(argv), timeout=self.s.reset_timeout_s)
         if self.s.release_holders:
             self._release_holders(addr)
-        with self.quiet():
+        with self.quiet(), nvml_pause.smi_paused(self.smi):
             persistence = self._persistence_off(addr)
             try:
                 out = self.resetter.run(argv[1:])
@@ -486,13 +488,13 @@ class RecoveryActor:
         """Turns persistence mode off for the reset when it is on; returns whether it must be turned on again."""
         if not self.s.persistence:
             return False
-        run = self.smi.run(["-i", addr.nvml, "--query-gpu=persistence_mode", "--format=csv,noheader"])
+        run = self.pm.run(["-i", addr.nvml, "--query-gpu=persistence_mode", "--format=csv,noheader"])
         if run.exit_code != 0 or "enabled" not in run.output.lower():
             return False
         return self._smi_ok(["-i", addr.nvml, "-pm", "0"], "persistence mode off for the reset", addr)
 
     def _smi_ok(self, args: list[str], what: str, addr: PciAddress) -> bool:
-        run = self.smi.run(args)
+        run = self.pm.run(args)
         if run.exit_code == 0:
             self.log.info(what, gpu=addr.nvml)
             return True

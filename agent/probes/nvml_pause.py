@@ -1,9 +1,11 @@
-"""The agent's own NVML session stands aside while a GPU reset runs: an open NVML session holds every GPU, and
-`nvidia-smi -r` refuses a GPU that any client holds ("In use by another client").
+"""The agent's own GPU clients stand aside while a GPU reset runs: an open NVML session holds every GPU, another
+nvidia-smi is a client too, and `nvidia-smi -r` refuses a GPU that any client holds ("In use by another client").
 
 `paused(probe)` marks the probe paused (its cycles report "paused" instead of reading, without waiting), waits for
 a read in flight to finish (bounded by the probe's own call deadline), shuts NVML down, and on the way out lets the
-next read initialise it again. Kept apart from the probe so that the probe's own code stays as it is."""
+next read initialise it again. `smi_paused(runner)` does the same for the check loop's nvidia-smi runs (a cycle
+meanwhile reports nvidia-smi as "paused"; a run in flight finishes first). Kept apart from the probes so that their
+own code stays as it is."""
 
 from __future__ import annotations
 
@@ -32,3 +34,19 @@ def paused(probe: Any) -> Iterator[bool]:
         yield shut
     finally:
         probe.paused = False
+
+
+@contextlib.contextmanager
+def smi_paused(runner: Any) -> Iterator[None]:
+    """No nvidia-smi run of the check loop starts while this holds; one in flight finishes first (the runner's own
+    lock, bounded by its timeout)."""
+    if runner is None or not hasattr(runner, "paused"):
+        yield
+        return
+    runner.paused = True
+    try:
+        with runner._lock:  # a run in flight finishes first
+            pass
+        yield
+    finally:
+        runner.paused = False
