@@ -261,6 +261,9 @@ class Seen:
     reset_error: str = ""
     reset_outcome: ResetOutcome | None = None  # its classification (None: use reset_result alone)
     settle_problem: str | None = None  # why the GPU has not settled after its reset ("" settled; None: not read)
+    # No new pod can land on the GPU: it is fenced (a DeviceTaintRule), the device plugin has it unhealthy, or the
+    # node carries gpu-ready's NoSchedule taint. False: new pods could land on it (the ladder waits); None: unknown.
+    fenced: bool | None = None
     proof: bool | None = None  # the proof just run: True passed; None: not run yet
     proof_error: str = ""
     fault_after_reset: bool = False  # a kernel-log record for this GPU since the reset (not quiet)
@@ -305,6 +308,10 @@ def decide(
             n = resets_in_window(attempts, now, policy.window_s)
             why = f"retry budget spent: {n} reset(s) within {policy.window_s / 3600:g} h (budget {policy.budget})"
             return rec.at(Step.ESCALATED, now, why), Do.ESCALATE
+        if seen.fenced is False:
+            why = ("new pods could still land on it (the device plugin advertises it and the node has no NoSchedule "
+                   "taint of gpu-ready): waiting before the drain")  # fmt: skip
+            return replace(rec, why=why), Do.WAIT
         return decide(rec.at(Step.DRAINING, now, "waiting for the pods on it to finish"), seen, attempts, policy, now,
                       brake_engaged)  # fmt: skip
     if s is Step.DRAINING:

@@ -139,7 +139,8 @@ class Agent:
         started = self.clock.wall()
         self.obs, stats = self.suite.run(node, node_err)
         if self.recovery is not None:  # its own thread: a drain, reset or proof never delays a cycle
-            self.recovery.submit(self.obs, self.suite.allocation, started, self.suite.results.get(Check.FABRIC))
+            # the Node's taints: gpu-ready's NoSchedule holds new pods off a GPU being drained on a device-plugin node
+            self.recovery.submit(self.obs, self.suite.allocation, started, self.suite.results.get(Check.FABRIC), node)
         self.metrics.observe_cycle(stats, self.suite.allocation, enabled=self.cfg.pod_resources)
         self.metrics.multinode.publish(self.suite.results)
         self.cycles += 1

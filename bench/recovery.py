@@ -105,6 +105,7 @@ def _real_answers(n: Node, a: Any) -> dict[str, float]:
     n.host.set_reset("answer", answer=no, exit_code=3)
     t0 = time.monotonic()
     n.host.append_xid(119, gpu=K, text="Timeout after 6s of waiting for RPC response from GPU4 GSP!")
+    n.sync(advertised=set(range(8)) - {K})
     wait_for(lambda: (n.gpu_ready() or {}).get("reason") == "GPURecoveryFailed", 60, 0.02, "the node remedy")
     return {"refused_then_back_s": round(refused_s, 2), "unsupported_to_node_remedy_s": round(time.monotonic() - t0, 2)}
 

@@ -120,6 +120,7 @@ def test_a_process_holding_the_gpu_refuses_the_reset_then_escalates(node):
     try:
         a.wait_status(n.admin, "True", timeout=60)
         n.host.append_xid(119, gpu=K)
+        n.sync(advertised=set(range(8)) - {K})  # the device plugin marks it unhealthy (no new pod lands on it)
         c = a.wait_status(n.admin, "False", "GPURecoveryFailed", timeout=60)
         assert "process(es) hold it" in c["message"], c["message"]
         assert n.host.resets() == []  # never attempted
@@ -140,6 +141,7 @@ def test_a_hung_or_failed_reset_is_killed_and_escalates(node, mode):
     try:
         a.wait_status(n.admin, "True", timeout=60)
         n.host.append_xid(119, gpu=K)
+        n.sync(advertised=set(range(8)) - {K})  # the device plugin marks it unhealthy (no new pod lands on it)
         c = a.wait_status(n.admin, "False", "GPURecoveryFailed", timeout=60)
         assert "reset failed" in c["message"], c["message"]
         assert len(n.host.resets()) == 1  # never a loop: one attempt
@@ -184,6 +186,7 @@ def test_an_agent_stopped_during_a_reset_kills_it_and_the_next_one_resumes_witho
     try:
         a.wait_status(n.admin, "True", timeout=60)
         n.host.append_xid(119, gpu=K)
+        n.sync(advertised=set(range(8)) - {K})  # the device plugin marks it unhealthy (no new pod lands on it)
         wait_for(lambda: reset_processes(n.host) and n.host.resets(), 60, 0.05, "the reset running (hung)")
         assert a.terminate() == 0
         assert reset_processes(n.host) == []  # killed with the agent

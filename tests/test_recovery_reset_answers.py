@@ -151,3 +151,13 @@ def test_a_second_gpu_within_the_burst_window():
     assert burst(starts, "C", T0 + 10, 600.0) == ["A"]
     assert burst(starts, "A", T0 + 10, 600.0) == []  # its own earlier ladder is not a second GPU
     assert burst(starts, "C", T0, 0.0) == []  # 0: off
+
+
+def test_on_a_device_plugin_node_the_ladder_waits_until_no_new_pod_can_land_on_the_gpu():
+    rec = start(GPU, ["k"], T0)
+    rec2, do = decide(rec, Seen(pods=0, processes=0, fenced=False), (), P, T0 + 1)
+    assert do is Do.WAIT and rec2.step is Step.FENCED and "new pods could still land" in rec2.why
+    rec3, do = decide(rec2, Seen(pods=0, processes=0, fenced=True), (), P, T0 + 2)
+    assert do is Do.RESET and rec3.step is Step.RESETTING  # the plugin has it unhealthy (or the node is tainted)
+    _, do = decide(rec, Seen(pods=0, processes=0, fenced=None), (), P, T0 + 1)
+    assert do is Do.RESET  # a DRA node (its own fence) or nothing to tell: as before

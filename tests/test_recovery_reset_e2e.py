@@ -75,6 +75,7 @@ def test_a_reset_refused_by_a_holder_costs_no_budget_and_ends_as_gpu_reset_refus
     try:
         a.wait_status(n.admin, "True", timeout=60)
         n.host.append_xid(119, gpu=K)
+        n.sync(advertised=set(range(8)) - {K})  # the device plugin marks it unhealthy (no new pod lands on it)
         c = a.wait_status(n.admin, "False", "GPUResetRefused", timeout=60)
         assert "nv-hostengine" in c["message"] and "4242" in c["message"], c["message"]
         tries = len(n.host.resets())
@@ -171,8 +172,8 @@ def test_a_fabric_still_training_after_the_reset_is_waited_for_and_one_that_neve
     try:
         a.wait_status(n.admin, "True", timeout=60)
         n.host.append_xid(119, gpu=K)
+        n.sync(advertised=set(range(8)) - {K})
         if finishes:
-            n.sync(advertised=set(range(8)) - {K})
             wait_for(lambda: (n.kubelet_step(), (n.gpu_ready() or {}).get("status") == "True")[1], 60, 0.1,
                      "proven once the fabric completed")  # fmt: skip
             assert a.metric("gpu_ready_gpu_recoveries_total") == 1.0
@@ -209,6 +210,7 @@ def test_a_platform_that_cannot_reset_is_never_asked_again(node):
     try:
         a.wait_status(n.admin, "True", timeout=60)
         n.host.append_xid(119, gpu=K)
+        n.sync(advertised=set(range(8)) - {K})  # the device plugin marks it unhealthy (no new pod lands on it)
         c = a.wait_status(n.admin, "False", "GPURecoveryFailed", timeout=60)
         assert "reset unsupported" in c["message"], c["message"]
         wait_for(lambda: "GPUResetUnavailable" in n.events(), 30, 0.2, "the GPUResetUnavailable Event")
@@ -232,6 +234,7 @@ def test_sigkill_during_a_reset_with_the_state_file_cut_in_half_never_resets_twi
     try:
         a.wait_status(n.admin, "True", timeout=60)
         n.host.append_xid(119, gpu=K)
+        n.sync(advertised=set(range(8)) - {K})  # the device plugin marks it unhealthy (no new pod lands on it)
         wait_for(lambda: reset_processes(n.host) and n.host.resets(), 60, 0.05, "the reset running (hung)")
         assert a.proc is not None
         os.kill(a.proc.pid, signal.SIGKILL)  # no clean-up of any kind

@@ -34,6 +34,7 @@ from urllib.parse import quote
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from agent.act.taints import own_effects, taints_of
 from agent.allocation import AllocationMap
 from agent.kube.client import ApiError, KubeApi
 from agent.model import Check, GpuIdentity, LatchedFault, Observation, PciAddress, Severity
@@ -94,6 +95,7 @@ class Submission:
     started: float  # wall seconds the cycle's checks started
     # Each GPU's NVLink fabric (state, status) where it has one; None: the fabric was not read this cycle.
     fabric: Mapping[PciAddress, tuple[str, str]] | None = None
+    node_noschedule: bool = False  # the node carries gpu-ready's own NoSchedule taint
 
 
 def fabric_states(report: Any) -> dict[PciAddress, tuple[str, str]] | None:
@@ -150,6 +152,8 @@ class RecoverySettings:
     persistence: bool = True  # turn persistence mode off for the reset, and back on after, whatever the outcome
     proc_root: str = "/proc"  # where the GPU's holders are looked for (the host's only with hostPID)
     release_holders: tuple[tuple[str, str], ...] = ()  # DaemonSets whose pod on this node is deleted before a reset
+    per_gpu_fence: bool = False  # DRA fencing is on: a faulty GPU is fenced by itself (DeviceTaintRules)
+    taint_key: str = "gpu-ready.io/gpu-not-ready"  # gpu-ready's own node taint (its NoSchedule holds new pods off)
 
 
 def find_holders(proc_root: str, minor: int | None, limit: int = 8) -> list[str]:
@@ -383,7 +387,12 @@ class RecoveryActor:
         near = rec.step is Step.RESETTING or (rec.step in (Step.FENCED, Step.DRAINING) and pods == 0)
         processes = self._processes(addr) if near else None
         after = rec.reset_done is not None and sub.started > rec.reset_done
+        fenced: bool | None = None
+        if not self.s.per_gpu_fence and rec.step is Step.FENCED:  # a device-plugin node: no fence of its own
+            unhealthy = sub.allocation is not None and any(g.gpu == addr and g.fenced for g in sub.allocation.gpus)
+            fenced = True if unhealthy or sub.node_noschedule else (None if sub.allocation is None else False)
         return Seen(
+            fenced=fenced,
             pods=pods,
             processes=processes,
             fault_after_reset=rec.reset_started is not None and self._noisy(addr, rec),
@@ -686,11 +695,20 @@ class RecoveryWorker:
         self.passes = 0
         self.thread: threading.Thread | None = None
 
-    def submit(self, obs: Observation, allocation: AllocationMap | None, started: float, fabric: Any = None) -> None:
+    def submit(
+        self,
+        obs: Observation,
+        allocation: AllocationMap | None,
+        started: float,
+        fabric: Any = None,
+        node: dict[str, Any] | None = None,
+    ) -> None:
         """started: wall seconds the cycle's checks started (a proof reads only checks started after the reset);
-        fabric: the fabric probe's result of the cycle (None: not read)."""
+        fabric: the fabric probe's result of the cycle (None: not read); node: the own Node as last read (its
+        taints)."""
+        tainted = "NoSchedule" in own_effects(taints_of(node), self.actor.s.taint_key)
         with self._lock:
-            self._pending = Submission(obs, allocation, started, fabric_states(fabric))
+            self._pending = Submission(obs, allocation, started, fabric_states(fabric), tainted)
         self._wake.set()
 
     def start(self) -> RecoveryWorker:
@@ -759,6 +777,8 @@ def build(
         burst_window_s=cfg.recovery_burst_window,
         proc_root=cfg.proc_root,
         release_holders=tuple(cfg.recovery_release_holders),
+        per_gpu_fence=bool(cfg.fencing),
+        taint_key=cfg.taint_key,
     )
     actor = RecoveryActor(
         api, cfg.node_name, state, settings, smi=smi, kmsg_seq=kmsg_seq, on_event=on_event,
