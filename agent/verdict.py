@@ -116,9 +116,11 @@ def decide(
     # Faults on the node's own GPUs first (the actionable ones; they survive message truncation), then
     # addresses that match no GPU and NVSwitch SXids; oldest first within each group.
     for lf in sorted(latched, key=lambda f: (f.gpu is None or f.gpu not in gpus, f.since, f.key)):
-        what = {"sxid": f"fatal SXid {lf.xid} on NVSwitch {lf.raw_address}", "fallen_off_bus": "fell off the bus"}.get(
-            lf.source, f"Xid {lf.xid}"
-        )
+        what = {
+            "sxid": f"fatal SXid {lf.xid} on NVSwitch {lf.raw_address}",
+            "fallen_off_bus": "fell off the bus",
+            "row_remap": "row remap pending: a reset applies it (recovery)",
+        }.get(lf.source, f"Xid {lf.xid}")
         if lf.source == "xid" and lf.gpu is not None and lf.gpu not in gpus:
             what += " (address matches no known GPU)"
         add(Reason.FATAL_XID, what, lf.gpu)

@@ -202,3 +202,20 @@ def test_the_check_loops_nvidia_smi_stands_aside_during_a_reset():
         r = probe_nvidia_smi(runner)  # a cycle during the reset: no nvidia-smi started, "could not check"
         assert not r.ran and "paused while a GPU reset runs" in r.findings[0].message
     assert runner.run().exit_code == 0  # after it: runs again
+
+
+def test_a_pending_row_remap_starts_the_ladder_like_a_reset_class_fault(tmp_path):
+    from agent.model import Check, Finding
+    from agent.verdict import decide as verdict
+
+    a, events, state = actor(tmp_path)
+    remap = Finding.info(Check.NVML, "row remap pending (activates at the next GPU reset)", A, kind="row_remap_pending")
+    s = Submission(Observation(findings=[remap], gpus={A: GpuIdentity(A, 4)}), None, T0)
+    a.step(s)
+    (lf,) = state.snapshot()
+    assert (lf.source, lf.action, lf.gpu) == ("row_remap", "RESET_GPU", A)
+    assert state.ladders()[GPU].step is Step.DRAINING and [r for r, _ in events] == ["GPURecoveryStarted"]
+    v = verdict(s.obs, state.snapshot())
+    assert "row remap pending: a reset applies it" in v.message and v.gpus[0].remedy == "reset"
+    a.step(s)  # the same finding again: latched once
+    assert len(state.snapshot()) == 1

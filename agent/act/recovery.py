@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from agent.act.taints import own_effects, taints_of
 from agent.allocation import AllocationMap
 from agent.kube.client import ApiError, KubeApi
-from agent.model import Check, GpuIdentity, LatchedFault, Observation, PciAddress, Severity
+from agent.model import Check, GpuIdentity, LatchedFault, Observation, PciAddress, Severity, XidEvent
 from agent.probes import nvml_pause
 from agent.probes.device_nodes import read_minor_numbers
 from agent.proc import Run, SupervisedRunner
@@ -251,6 +251,7 @@ class RecoveryActor:
         operator, a new boot, a proven reset) is dropped; a fault a reset does not heal ends a ladder (node-level).
         An NVSwitch SXid on the node wins over every GPU's reset; a second GPU starting a ladder within the burst
         window escalates every ladder of the node (one bad baseboard, not two bad GPUs)."""
+        self._latch_pending_remaps(sub, now)
         by_gpu: dict[str, list[LatchedFault]] = {}
         sxid = False
         for lf in self.state.snapshot():
@@ -286,6 +287,21 @@ class RecoveryActor:
                 self._escalate(rec, gpu, sub, why, now)
                 changed = True
         return changed
+
+    def _latch_pending_remaps(self, sub: Submission, now: float) -> None:
+        """A pending row remap (NVML) takes effect only at a reset: with recovery on it is latched as a fault whose
+        remedy is that GPU's reset (source `row_remap`), so the ladder starts as for a reset-class Xid; the proven
+        reset clears it (and the proof wants none pending)."""
+        ladders = self.state.ladders()
+        for f in sub.obs.findings:
+            if f.kind != "row_remap_pending" or f.gpu is None:
+                continue
+            rec = ladders.get(f.gpu.nvml)
+            if rec is not None and rec.step is not Step.HEALTHY:
+                continue  # its ladder runs (or gave up): the proof judges the remap
+            ev = XidEvent(0, f.gpu, f.gpu.kernel, True, f.message[:200], "row_remap", "row remap", "RESET_GPU")
+            if self.state.latch(ev, now) is not None:
+                self.log.warning("row remap pending: latched for a reset", gpu=f.gpu.nvml)
 
     def _precheck(self, rec: GpuRecovery, gpu: str, sub: Submission, now: float) -> None:
         """What ends a new ladder before any reset: the node cannot reset a GPU alone, the GPU is in MIG mode, a
