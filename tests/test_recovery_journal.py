@@ -219,3 +219,17 @@ def test_a_pending_row_remap_starts_the_ladder_like_a_reset_class_fault(tmp_path
     assert "row remap pending: a reset applies it" in v.message and v.gpus[0].remedy == "reset"
     a.step(s)  # the same finding again: latched once
     assert len(state.snapshot()) == 1
+
+
+def test_an_ampere_nvswitch_board_with_the_fabric_manager_down_goes_to_the_node_remedy(tmp_path):
+    from agent.model import Check, Finding, Reason
+
+    fm = Finding.fault(Check.FABRIC_MANAGER, Reason.FABRIC_NOT_READY, "fabric manager down", kind="fm_not_running")
+    for name, step in (("NVIDIA A100-SXM4-80GB", Step.ESCALATED), ("NVIDIA H100 80GB HBM3", Step.DRAINING)):
+        a, _, state = actor(tmp_path / name)
+        state.latch(xid(), T0)
+        a.step(Submission(Observation(findings=[fm], gpus={A: GpuIdentity(A, 4, name)}), None, T0))
+        rec = state.ladders()[GPU]
+        assert rec.step is step, (name, rec.why)
+        if step is Step.ESCALATED:
+            assert "fabric manager down" in rec.why

@@ -84,6 +84,7 @@ PROOF_FIELDS = ("{index}", "{bus_id}")
 RESULT_LABEL = {ResetOutcome.SUCCEEDED: "ok", ResetOutcome.HUNG: "timeout"}
 SETTLE_KINDS = frozenset({"fabric_not_ready", "fabric_failed", "fabric_misconfigured", "recovery_action",
                           "row_remap_pending"})  # fmt: skip  # findings that say a reset GPU has not settled yet
+AMPERE_NVSWITCH = ("A100", "A800")  # the Ampere GPUs of NVSwitch baseboards (HGX/DGX A100)
 MAX_PROC_PIDS = 8192  # /proc entries read when looking for the GPU's holders
 MAX_FDS_PER_PID = 1024
 
@@ -314,6 +315,9 @@ class RecoveryActor:
         if self.node_off:
             self._escalate(rec, gpu, sub, f"per-GPU reset is off on this node until the agent restarts: "
                            f"{self.node_off}", now)  # fmt: skip
+        elif self._ampere_without_fm(ident, sub):
+            self._escalate(rec, gpu, sub, "an Ampere NVSwitch board with the fabric manager down: a single-GPU reset "
+                           "needs it (else all NVLink peers at once); node remedy", now)  # fmt: skip
         elif ident is not None and ident.mig_enabled:
             self._escalate(rec, gpu, sub, "MIG mode is on: a reset drops its MIG instances (and on Hopper MIG mode "
                            "itself); node remedy", now)  # fmt: skip
@@ -329,6 +333,14 @@ class RecoveryActor:
             seq = self.kmsg_seq()  # what the kernel log said before now is taken as said before the reset
             new = rec.at(Step.PROVING, now, why, reset_started=t, reset_done=now, reset_seq=-1 if seq is None else seq)
             self.state.set_ladder(new, gpu)
+
+    @staticmethod
+    def _ampere_without_fm(ident: GpuIdentity | None, sub: Submission) -> bool:
+        """On HGX/DGX A100 (NVSwitch, Ampere) a single-GPU reset needs the fabric manager running; later generations
+        do not (the nvidia-smi man page, "GPU Reset")."""
+        name = (ident.name or "") if ident is not None else ""
+        down = any(f.kind == "fm_not_running" for f in sub.obs.findings)
+        return down and any(m in name for m in AMPERE_NVSWITCH)
 
     def _advance(
         self, rec: GpuRecovery, addr: PciAddress, sub: Submission, attempts: tuple[float, ...], now: float
