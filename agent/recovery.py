@@ -96,6 +96,15 @@ class ResetAnswer:
     peers: tuple[str, ...] = ()  # needs-peers: the other GPUs the output named
 
 
+def _line_with(text: str, phrases: Sequence[str]) -> str:
+    """The first line that says one of `phrases` (what the Event quotes), at most 240 characters."""
+    for line in text.splitlines():
+        low = line.lower()
+        if any(p in low for p in phrases):
+            return line.strip()[:240]
+    return ""
+
+
 def _same_bus(text: str, bus_id: str) -> bool:
     a, b = PciAddress.parse(text.strip().strip(".:,")), PciAddress.parse(bus_id)
     return a is not None and a == b
@@ -122,12 +131,13 @@ def classify_reset(
     if timed_out and not capped:
         return ResetAnswer(ResetOutcome.HUNG, f"did not finish (killed){': ' + last if last else ''}")
     if any(p in low for p in _REFUSED):
-        return ResetAnswer(ResetOutcome.REFUSED, last or "in use by another client")
+        return ResetAnswer(ResetOutcome.REFUSED, _line_with(text, _REFUSED) or "in use by another client")
     if any(p in low for p in _PEERS):
         peers = tuple(sorted({m.group(0) for m in _BUS.finditer(text) if not _same_bus(m.group(0), bus_id)}))[:16]
-        return ResetAnswer(ResetOutcome.NEEDS_PEERS, last, peers)
+        return ResetAnswer(ResetOutcome.NEEDS_PEERS, _line_with(text, _PEERS) or last, peers)
     if exit_code == 3 or any(p in low for p in _UNSUPPORTED):
-        return ResetAnswer(ResetOutcome.UNSUPPORTED, last or f"exit {exit_code}: reset not available")
+        why = _line_with(text, _UNSUPPORTED) or last or f"exit {exit_code}: reset not available"
+        return ResetAnswer(ResetOutcome.UNSUPPORTED, why)
     why = "printed more than the output cap and was stopped" if capped else ""
     if exit_code == 0 and not capped:
         if any(_same_bus(m.group(1), bus_id) for m in _SUCCESS.finditer(text)):

@@ -55,7 +55,7 @@ def text(name: str) -> str:
 def test_every_captured_reset_answer_is_classified(name, bus, code, want):
     ans = classify_reset(bus, code, text(name))
     assert ans.outcome is want, ans
-    assert ans.detail  # one line for the Event, from what it printed
+    assert ans.detail and ans.detail in text(name)  # the line it printed that says so (the Event quotes it)
     if want is R.NEEDS_PEERS:
         assert ans.peers == ("00000000:CB:00.0", "00000000:DB:00.0")  # the peers it named, not the GPU itself
 
