@@ -99,8 +99,8 @@ if "-r" in sys.argv[1:] or "--gpu-reset" in sys.argv[1:]:
     mode = r.get("mode", "ok")
     if mode == "hang":
         time.sleep(float(r.get("seconds", 3600)))
-    if mode == "fail":
-        print("Unable to reset GPU " + sys.argv[-1] + ": In use by another client", file=sys.stderr); sys.exit(3)
+    if mode == "fail":  # an answer that is neither a refusal nor "not supported": a failed reset
+        print("Unable to reset GPU " + sys.argv[-1] + ": the GPU did not recover", file=sys.stderr); sys.exit(255)
     held = r.get("held_by_pm") and (sc.get("pm") or {{}}).get(bus) == "Enabled"
     held = held or any(os.path.exists(f) for f in r.get("held_by_files") or ())
     if mode == "answer" or held:  # a real answer, word for word (tests/fixtures/reset-*.txt)
@@ -670,7 +670,8 @@ class SimHost:
         fabric_after: tuple[tuple[str, str], ...] = (),
     ) -> None:
         """What `nvidia-smi -r -i <bus id>` does next: "ok" (exit 0, and the table shows the GPUs healthy, or with
-        `after_err`'s ERR! fields: a GPU that came back broken), "fail" (exit 3, "In use by another client"),
+        `after_err`'s ERR! fields: a GPU that came back broken), "fail" (exit 255 with words that are neither a refusal
+        nor "not supported": a failed reset),
         "hang" (sleeps `seconds`), "answer" (prints `answer`, a real reset's words, and exits `exit_code`).
         With "ok", the reset is refused with `refused` (exit 255) while persistence mode is on for that GPU
         (`held_by_pm`) or while any of `held_by_files` exists (a holder: a pod, a daemon); `fabric_after`: the
