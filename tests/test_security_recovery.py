@@ -349,7 +349,8 @@ def test_release_holders_lets_the_token_delete_only_those_daemonsets_pods_on_its
         assert code == 403 and denied_by(msg) == "policy recovery-pods", msg  # its pod on another node
         code, msg = status(api, ds_pod(c.admin, hns, other, a))
         assert code == 403 and denied_by(msg) == "policy recovery-pods", msg  # a DaemonSet not listed
-        code, msg = status(plain, ds_pod(c.admin, hns, holder, a))
+        refused = ds_pod(c.admin, hns, holder, a)
+        code, msg = status(plain, refused)
         assert code == 403 and denied_by(msg) == "RBAC", msg  # a release without releaseHolders: no right
         assert status(api, ds_pod(c.admin, hns, holder, a))[0] == 200  # its pod on the token's own node
         mine, theirs = ds_pod(c.admin, hns, holder, a), ds_pod(c.admin, hns, holder, b)
@@ -369,5 +370,5 @@ def test_release_holders_lets_the_token_delete_only_those_daemonsets_pods_on_its
         p = c.admin.request("GET", f"/api/v1/namespaces/{ns_name[0]}/pods/{ns_name[1]}")
         return bool(p["metadata"].get("deletionTimestamp"))
 
-    assert terminating(mine) and not terminating(theirs)
-    assert [x[0] for x in events] == ["GPUHolderReleased"]
+    assert terminating(mine) and terminating(refused) and not terminating(theirs)  # both of its node, only those
+    assert [x[0] for x in events] == ["GPUHolderReleased"] * 2
