@@ -78,6 +78,7 @@ class LatchState:
         self.journal = ResetJournal(Path(state_dir) / "resets", boot_id)
         self.gpu_cleared_seq: dict[str, int] = {}
         self.gpu_records: dict[PciAddress, int] = {}  # in memory: the newest kernel-log record (seq) naming each GPU
+        self.reset_unavailable = ""  # this boot's platform cannot reset one GPU alone (why); "" not known so
         self.load_problem: str | None = None  # what went wrong reading the file, for logs/metrics
         self.write_problem: str | None = None  # the last write's failure; None once a write succeeds
         self.write_failures = 0
@@ -133,6 +134,7 @@ class LatchState:
                 self.recovery = _ladders(data.get("recovery"))
                 self.legacy_resets = _resets(data.get("resets"))
                 self.gpu_cleared_seq = {str(k): int(v) for k, v in (data.get("gpu_cleared_seq") or {}).items()}
+                self.reset_unavailable = str(data.get("reset_unavailable") or "")[:300]
             self.save()  # the same content: proves the dir writable before the first verdict
             return "loaded"
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
@@ -176,6 +178,7 @@ class LatchState:
                 "recovery": [asdict(r) for r in self.recovery.values()],
                 "resets": {k: list(v) for k, v in self.legacy_resets.items() if v},
                 "gpu_cleared_seq": dict(self.gpu_cleared_seq),
+                "reset_unavailable": self.reset_unavailable,
             }
 
     def save(self) -> bool:
@@ -277,6 +280,7 @@ class LatchState:
             self.rejected_clears = set()
             self.recovery = {}  # the ladders were about this boot's faults; the budget's resets stay
             self.gpu_cleared_seq = {}
+            self.reset_unavailable = ""  # a platform fact of the boot that ended
         self.save()
         return n
 

@@ -233,3 +233,24 @@ def test_an_ampere_nvswitch_board_with_the_fabric_manager_down_goes_to_the_node_
         assert rec.step is step, (name, rec.why)
         if step is Step.ESCALATED:
             assert "fabric manager down" in rec.why
+
+
+def test_a_platform_that_cannot_reset_is_remembered_for_the_boot(tmp_path):
+    """`unsupported` / `needs-peers` are facts of the platform: kept in the state file for the boot (a restarted
+    agent does not ask again); a new boot forgets them; `tool-missing` (configuration) lasts until a restart."""
+    a, _, state = actor(tmp_path)
+    assert a.node_off == ""
+    state.reset_unavailable = "reset unsupported: exit 3"
+    state.save()
+    again = LatchState(str(tmp_path / "state"), "boot-1")
+    assert again.load() == "loaded" and again.reset_unavailable == "reset unsupported: exit 3"
+    a2, _, state2 = actor(tmp_path)  # a restarted agent on the same boot
+    assert a2.node_off == "reset unsupported: exit 3"
+    state2.latch(xid(), T0)
+    a2.step(sub())
+    assert "per-GPU reset is off on this node" in state2.ladders()[GPU].why  # never asked again
+    fresh = LatchState(str(tmp_path / "state"), "boot-2")
+    assert fresh.load() == "boot_changed" and fresh.reset_unavailable == ""
+    a3, _, _ = actor(tmp_path)
+    a3.tool_missing = "reset tool-missing: not found"
+    assert a3.node_off.startswith("reset tool-missing")

@@ -212,7 +212,7 @@ class RecoveryActor:
     ) -> None:
         self.api, self.node, self.state, self.s = api, node, state, settings
         self.quiet = quiet  # the agent's own GPU clients stand aside while a reset runs (its NVML session)
-        self.node_off = ""  # why no GPU of this node can be reset alone (set once; until the agent restarts)
+        self.tool_missing = ""  # the reset tool could not be run (a configuration error): no reset until a restart
         self.awaiting: dict[str, tuple[float, float, str]] = {}  # GPUs proven, plugin restarted: (deadline, took,
         # name) until the GPU is back in the node's allocatable (then GPURecovered)
         self.starts: dict[str, float] = {}  # when each GPU's last ladder started (the burst window)
@@ -313,7 +313,7 @@ class RecoveryActor:
         addr = PciAddress.parse(gpu)
         ident = sub.obs.gpus.get(addr) if addr is not None else None
         if self.node_off:
-            self._escalate(rec, gpu, sub, f"per-GPU reset is off on this node until the agent restarts: "
+            self._escalate(rec, gpu, sub, f"per-GPU reset is off on this node: "
                            f"{self.node_off}", now)  # fmt: skip
         elif self._ampere_without_fm(ident, sub):
             self._escalate(rec, gpu, sub, "an Ampere NVSwitch board with the fabric manager down: a single-GPU reset "
@@ -333,6 +333,12 @@ class RecoveryActor:
             seq = self.kmsg_seq()  # what the kernel log said before now is taken as said before the reset
             new = rec.at(Step.PROVING, now, why, reset_started=t, reset_done=now, reset_seq=-1 if seq is None else seq)
             self.state.set_ladder(new, gpu)
+
+    @property
+    def node_off(self) -> str:
+        """Why no GPU of this node can be reset alone ("" none): `unsupported` and `needs-peers` are remembered for
+        the boot (in the state file); `tool-missing`, a configuration error, until the agent restarts."""
+        return self.state.reset_unavailable or self.tool_missing
 
     @staticmethod
     def _ampere_without_fm(ident: GpuIdentity | None, sub: Submission) -> bool:
@@ -396,9 +402,13 @@ class RecoveryActor:
                 self._event("GPUResetRefused", f"{self._name(gpu, sub)}: {new.why}; something still holds it (not a "
                             "hardware failure); the fault stays latched", gpu, "Warning")  # fmt: skip
             elif do is Do.NODE_OFF:
-                self.node_off = self.node_off or new.why
+                if new.outcome == ResetOutcome.TOOL_MISSING.value:
+                    self.tool_missing = self.tool_missing or new.why
+                elif not self.state.reset_unavailable:
+                    self.state.reset_unavailable = new.why  # saved with the ladder below: for this boot
                 self._event("GPUResetUnavailable", f"{self._name(gpu, sub)}: {new.why}; the fault goes to the node "
-                            "remedy and per-GPU reset is off on this node until the agent restarts", "node-off",
+                            "remedy and per-GPU reset is off on this node (for the boot; tool-missing: until the "
+                            "agent restarts)", "node-off",
                             "Warning")  # fmt: skip
                 self._escalated(new, gpu, sub)
             if new != rec:
