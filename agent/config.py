@@ -294,6 +294,9 @@ class Config:
     recovery_proof_timeout: float
     recovery_budget: int
     recovery_window: float
+    recovery_settle_timeout: float
+    recovery_burst_window: float
+    recovery_release_holders: tuple[tuple[str, str], ...]
     recovery_plugin_namespace: str | None
     recovery_plugin_daemonset: str | None
     preflight_after_fault: bool | None

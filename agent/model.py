@@ -63,6 +63,7 @@ class Reason(StrEnum):
     """The condition reasons, an API for alerts and remediation. Declaration order is priority."""
 
     GPU_RECOVERY_FAILED = "GPURecoveryFailed"  # a GPU's reset, its proof or its retry budget failed (recovery)
+    GPU_RESET_REFUSED = "GPUResetRefused"  # a GPU's reset was refused (in use) until the drain timeout (recovery)
     FATAL_XID = "FatalXid"
     NVIDIA_SMI_FAILED = "NvidiaSmiFailed"
     NVML_HEALTH = "NvmlHealth"

@@ -82,6 +82,7 @@ class Agent:
             cfg, self.api, self.state, smi=self.suite.smi, kmsg_seq=lambda: self.kmsg.source.last_seq,
             on_event=self.publisher.record, registry=m.registry, log=self.log, wake=self.wake.set,
             brake=self.publisher.brake.brake_engaged,  # the fleet brake holds its evictions and resets
+            nvml=self.suite.probe(Check.NVML),  # its session is shut down while a reset runs
         )  # fmt: skip  # per-GPU recovery (docs/recovery.md); None when off
         if cfg.node_watch and (cfg.dra_counting or cfg.fencing):  # slices change rarely: twice the Node's watch
             self.suite.slice_cache = SliceCache(
@@ -90,6 +91,7 @@ class Agent:
         self.obs: Observation | None = None  # the newest level observation
         self.checks = ChecksThread(self.suite.run, self.wake.set)
         self._cycle_started = 0.0
+        self._cycle_node: dict[str, Any] | None = None  # the Node as the current cycle read it
         self.cycles = 0
         self.turns = 0  # the loop's turns (each wake or timeout): what a test waits on to know a wake was handled
         self.started_mono = clock.mono()
@@ -115,6 +117,8 @@ class Agent:
             return False, f"no check cycle completed for {age:.0f}s (limit {3 * self.cfg.poll_interval:.0f}s)"
         if self.state.write_problem:  # a restart would lose the latches kept only in memory
             return False, f"latched faults are not persisted: {self.state.write_problem}"
+        if self.state.load_problem:  # latched faults (and recovery ladders) were lost: loud, never "ok"
+            return False, f"state file: {self.state.load_problem}"
         return True, f"ok: last cycle {age:.1f}s ago"
 
     def _unsaved(self) -> str | None:
@@ -151,12 +155,20 @@ class Agent:
         self.standing.observe(node, self.kmsg.source.last_seq, self._adopt)
         self.state.retry()
         self._cycle_started = self.clock.wall()
+        self._cycle_node = node
         return node, node_err
 
     def _end_cycle(self, obs: Observation, stats: CycleStats) -> None:
         self.obs = obs
         if self.recovery is not None:  # its own thread: a drain, reset or proof never delays a cycle
-            self.recovery.submit(self.obs, self.suite.allocation, self._cycle_started)
+            # the Node's taints: gpu-ready's NoSchedule holds new pods off a GPU being drained on a device-plugin node
+            self.recovery.submit(
+                self.obs,
+                self.suite.allocation,
+                self._cycle_started,
+                self.suite.results.get(Check.FABRIC),
+                self._cycle_node,
+            )
         self.metrics.observe_cycle(stats, self.suite.allocation, enabled=self.cfg.pod_resources)
         self.metrics.multinode.publish(self.suite.results)
         self.cycles += 1

@@ -76,12 +76,14 @@ class LatchState:
         # of the retry budget (kept across boots), and how far the kernel log had been read when a GPU's own latch
         # was cleared by a proven reset (a replay of the ring buffer does not latch it again).
         self.recovery: dict[str, GpuRecovery] = {}
-        self.resets: dict[str, tuple[float, ...]] = {}
+        self.legacy_resets: dict[str, tuple[float, ...]] = {}  # an older state file's budget (kept in the file)
+        self.journal = ResetJournal(Path(state_dir) / "resets", boot_id)
         self.gpu_cleared_seq: dict[str, int] = {}
         # The NVLinks seen up in this boot, per GPU bus id (probes/nvml.py judges a link down only when something
         # says it should be up; one seen up earlier in the boot does): dropped with the boot.
         self.nvlink_up: dict[str, frozenset[int]] = {}
         self.gpu_records: dict[PciAddress, int] = {}  # in memory: the newest kernel-log record (seq) naming each GPU
+        self.reset_unavailable = ""  # this boot's platform cannot reset one GPU alone (why); "" not known so
         self.load_problem: str | None = None  # what went wrong reading the file, for logs/metrics
         self.write_problem: str | None = None  # the last write's failure; None once a write succeeds
         self.write_failures = 0
@@ -113,7 +115,7 @@ class LatchState:
                 raise ValueError("unknown layout")
             if data.get("boot_id") != self.boot_id:
                 with self._lock:
-                    self.resets = _resets(data.get("resets"))  # the retry budget outlives a reboot
+                    self.legacy_resets = _resets(data.get("resets"))  # the retry budget outlives a reboot
                 self.save()
                 return "boot_changed"
             faults = {}
@@ -135,9 +137,10 @@ class LatchState:
                 self.cleared_seq = int(data.get("cleared_seq", -1))
                 self.rejected_clears = {str(x) for x in data.get("rejected_clears", [])}
                 self.recovery = _ladders(data.get("recovery"))
-                self.resets = _resets(data.get("resets"))
+                self.legacy_resets = _resets(data.get("resets"))
                 self.gpu_cleared_seq = {str(k): int(v) for k, v in (data.get("gpu_cleared_seq") or {}).items()}
                 self.nvlink_up = _links(data.get("nvlink_up"))
+                self.reset_unavailable = str(data.get("reset_unavailable") or "")[:300]
             self.save()  # the same content: proves the dir writable before the first verdict
             return "loaded"
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
@@ -146,7 +149,10 @@ class LatchState:
                 os.replace(self.path, aside)
             except OSError:
                 aside = self.path
-            self.load_problem = f"corrupt state file ({e}); moved to {aside.name} and started fresh"
+            self.load_problem = (
+                f"corrupt state file ({e}); moved to {aside.name}: latched faults and ladders lost (the reset "
+                "journal still holds the retry budget and any reset in flight)"
+            )
             self.save()
             return "corrupt"
 
@@ -176,9 +182,10 @@ class LatchState:
                 "rejected_clears": sorted(self.rejected_clears),
                 "faults": [{**asdict(f), "gpu": f.gpu.nvml if f.gpu else None} for f in self.faults.values()],
                 "recovery": [asdict(r) for r in self.recovery.values()],
-                "resets": {k: list(v) for k, v in self.resets.items() if v},
+                "resets": {k: list(v) for k, v in self.legacy_resets.items() if v},
                 "gpu_cleared_seq": dict(self.gpu_cleared_seq),
                 "nvlink_up": {k: sorted(v) for k, v in self.nvlink_up.items()},
+                "reset_unavailable": self.reset_unavailable,
             }
 
     def save(self) -> bool:
@@ -272,6 +279,7 @@ class LatchState:
         with self._lock:
             n = len(self.faults)
             self.boot_id = boot_id
+            self.journal.boot = _boot_tag(boot_id)
             self.faults = {}
             self._known.clear()
             self.cleared_before = 0.0
@@ -280,6 +288,7 @@ class LatchState:
             self.recovery = {}  # the ladders were about this boot's faults; the budget's resets stay
             self.gpu_cleared_seq = {}
             self.nvlink_up = {}  # the links of the previous boot say nothing about this one
+            self.reset_unavailable = ""  # a platform fact of the boot that ended
         self.save()
         return n
 
@@ -311,20 +320,38 @@ class LatchState:
             self.gpu_records[gpu] = seq
 
     def set_ladder(self, rec: GpuRecovery | None, gpu: str, *, reset_at: float | None = None) -> bool:
-        """Stores one GPU's ladder (None drops it) and, with `reset_at`, counts a reset in its budget, in one write
-        (a reset is counted before it starts). Returns whether it reached the disk."""
+        """Stores one GPU's ladder (None drops it) and, with `reset_at`, counts a reset in its budget first (in the
+        reset journal, durable before the reset starts). Returns whether it reached the disk; with `reset_at`, False
+        when the journal could not record it (the reset must not start then)."""
+        if reset_at is not None and not self.journal.begin(gpu, reset_at):
+            self._write_failed(self.journal.problem or "cannot record a GPU reset")
+            return False
         with self._lock:
             if rec is None:
                 self.recovery.pop(gpu, None)
             else:
                 self.recovery[gpu] = rec
-            if reset_at is not None:
-                self.resets[gpu] = (*self.resets.get(gpu, ())[-63:], reset_at)
-        return self.save()
+        return self.save() or reset_at is not None
 
-    def prune_resets(self, keep: Callable[[tuple[float, ...]], tuple[float, ...]]) -> None:
+    @property
+    def resets(self) -> dict[str, tuple[float, ...]]:
+        """Per GPU (the NVML bus id): the resets that count in its budget (the journal's, and an older state
+        file's)."""
+        tags = {ResetJournal._gpu_tag(g): g for g in (*self.recovery, *self.legacy_resets)}
+        out = {g: tuple(v) for g, v in self.legacy_resets.items()}
+        for tag, times in self.journal.counted().items():
+            g = tags.get(tag) or _gpu_of_tag(tag)
+            out[g] = tuple(sorted({*out.get(g, ()), *times}))[-64:]
+        return out
+
+    def settle_reset(self, gpu: str, t: float, charged: bool) -> None:
+        """The outcome of the reset started at `t`: charged (counts in the budget) or given back."""
+        self.journal.settle(gpu, t, "charged" if charged else "free")
+
+    def prune_resets(self, keep: Callable[[tuple[float, ...]], tuple[float, ...]], window_start: float) -> None:
         with self._lock:
-            self.resets = {k: v for k, v in ((k, keep(v)) for k, v in self.resets.items()) if v}
+            self.legacy_resets = {k: v for k, v in ((k, keep(v)) for k, v in self.legacy_resets.items()) if v}
+        self.journal.prune(window_start)
 
     def clear_gpu(self, gpu: PciAddress, read_seq: int | None) -> list[LatchedFault]:
         """A proven reset: drops this GPU's latched faults only (every other fault stays)."""
@@ -341,6 +368,102 @@ class LatchState:
     def ladders(self) -> dict[str, GpuRecovery]:
         with self._lock:
             return dict(self.recovery)
+
+
+class ResetJournal:
+    """The resets of the retry budget, one empty file per reset in `<state dir>/resets/`, apart from the state file
+    so that a state file cut in half (SIGKILL or power loss in the middle of a write) can neither reset the budget
+    nor let a started reset run a second time. The file's name says everything (the content is never read, so a
+    torn write of it cannot lose anything): `<ms>.<gpu>.<boot>.<how>`, created with O_EXCL and the directory
+    fsynced **before** the reset starts; its outcome is a rename (atomic): `started` (no outcome recorded yet: in
+    this boot, the reset may have run), `charged` (failed, hung, or succeeded: counts), `free` (refused,
+    unsupported, needing its peers, no tool: given back). At most 64 per GPU; older than the window: removed."""
+
+    STATES = ("started", "charged", "free")
+
+    def __init__(self, path: Path, boot_id: str) -> None:
+        self.path, self.boot = path, _boot_tag(boot_id)
+        self.problem: str | None = None  # the last write's failure
+
+    @staticmethod
+    def _gpu_tag(gpu: str) -> str:
+        return "".join(c if c.isalnum() else "_" for c in gpu)[:32]
+
+    def entries(self) -> list[tuple[float, str, str, str]]:
+        """(wall seconds, gpu tag, boot tag, state) of every entry; names that are not ours are ignored."""
+        try:
+            names = sorted(os.listdir(self.path))[-4096:]
+        except OSError:
+            return []
+        out = []
+        for n in names:
+            parts = n.split(".")
+            if len(parts) != 4 or parts[3] not in self.STATES or not parts[0].isdigit():
+                continue
+            out.append((int(parts[0]) / 1000.0, parts[1], parts[2], parts[3]))
+        return out
+
+    def _name(self, t: float, gpu: str, boot: str, state: str) -> Path:
+        return self.path / f"{round(t * 1000)}.{self._gpu_tag(gpu)}.{boot}.{state}"
+
+    def begin(self, gpu: str, t: float) -> bool:
+        """Records a reset about to start; False when it could not be made durable (then it must not start)."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self._name(t, gpu, self.boot, "started"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _fsync_dir(self.path)
+        except OSError as e:
+            self.problem = f"cannot record a GPU reset in {self.path}: {e.strerror or e}"
+            return False
+        self.problem = None
+        return True
+
+    def settle(self, gpu: str, t: float, state: str) -> None:
+        """The outcome of the reset started at `t` (`charged` or `free`)."""
+        tag = self._gpu_tag(gpu)
+        for when, g, boot, st in self.entries():
+            if g == tag and st == "started" and abs(when - t) < 0.0015:
+                try:
+                    os.replace(self._name(when, gpu, boot, st), self._name(when, gpu, boot, state))
+                    _fsync_dir(self.path)
+                except OSError as e:
+                    self.problem = f"cannot record a GPU reset's outcome in {self.path}: {e.strerror or e}"
+
+    def counted(self) -> dict[str, tuple[float, ...]]:
+        """Per GPU tag: the resets that count in the budget (started or charged), oldest first."""
+        out: dict[str, list[float]] = {}
+        for when, g, _boot, st in self.entries():
+            if st != "free":
+                out.setdefault(g, []).append(when)
+        return {g: tuple(sorted(v))[-64:] for g, v in out.items()}
+
+    def in_flight(self, gpu: str) -> float | None:
+        """When a reset of this GPU started in this boot with no outcome recorded (it may have run); None: none."""
+        tag = self._gpu_tag(gpu)
+        found = [w for w, g, boot, st in self.entries() if g == tag and boot == self.boot and st == "started"]
+        return max(found) if found else None
+
+    def prune(self, keep_after: float) -> None:
+        for when, g, boot, st in self.entries():
+            if when <= keep_after and not (st == "started" and boot == self.boot):
+                try:
+                    os.unlink(self.path / f"{round(when * 1000)}.{g}.{boot}.{st}")
+                except OSError:
+                    pass
+
+
+def _gpu_of_tag(tag: str) -> str:
+    """The NVML bus id a journal tag was made from (00000000_BB_00_0 -> 00000000:BB:00.0)."""
+    p = tag.split("_")
+    return f"{p[0]}:{p[1]}:{p[2]}.{p[3]}" if len(p) == 4 else tag
+
+
+def _boot_tag(boot_id: str) -> str:
+    return "".join(c for c in boot_id if c.isalnum())[:12] or "unknown"
 
 
 def _ladders(raw: Any) -> dict[str, GpuRecovery]:
@@ -360,6 +483,10 @@ def _ladders(raw: Any) -> dict[str, GpuRecovery]:
             reset_seq=int(r.get("reset_seq", -1)),
             why=str(r.get("why") or "")[:300],
             evicted=bool(r.get("evicted")),
+            refusals=int(r.get("refusals", 0)),
+            retry_at=float(r.get("retry_at", 0.0)),
+            outcome=str(r.get("outcome") or "")[:32],
+            fabric=bool(r.get("fabric")),
         )
         out[rec.gpu] = rec
     return out

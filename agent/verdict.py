@@ -38,11 +38,11 @@ from agent.model import (
     Status,
     Verdict,
 )
-from agent.recovery import Remedy, Step, gpu_remedy, nvml_action_of
+from agent.recovery import REFUSED_PREFIX, Remedy, Step, gpu_remedy, nvml_action_of
 
 MESSAGE_LIMIT = 1000  # bytes; the condition message stays under 1 KiB
 # The reasons of a latched fault: a FatalXid, and a GPU whose recovery gave up (its fault stays latched).
-LATCHED_REASONS = frozenset({Reason.FATAL_XID, Reason.GPU_RECOVERY_FAILED})
+LATCHED_REASONS = frozenset({Reason.FATAL_XID, Reason.GPU_RECOVERY_FAILED, Reason.GPU_RESET_REFUSED})
 
 
 def gpu_label(addr: PciAddress | None, gpus: dict[PciAddress, GpuIdentity]) -> str:
@@ -116,14 +116,19 @@ def decide(
     # Faults on the node's own GPUs first (the actionable ones; they survive message truncation), then
     # addresses that match no GPU and NVSwitch SXids; oldest first within each group.
     for lf in sorted(latched, key=lambda f: (f.gpu is None or f.gpu not in gpus, f.since, f.key)):
-        what = {"sxid": f"fatal SXid {lf.xid} on NVSwitch {lf.raw_address}", "fallen_off_bus": "fell off the bus"}.get(
-            lf.source, f"Xid {lf.xid}"
-        )
+        what = {
+            "sxid": f"fatal SXid {lf.xid} on NVSwitch {lf.raw_address}",
+            "fallen_off_bus": "fell off the bus",
+            "row_remap": "row remap pending: a reset applies it (recovery)",
+        }.get(lf.source, f"Xid {lf.xid}")
         if lf.source == "xid" and lf.gpu is not None and lf.gpu not in gpus:
             what += " (address matches no known GPU)"
         add(Reason.FATAL_XID, what, lf.gpu)
     for addr, (step, why) in sorted(recovery.items()):
         if step == Step.ESCALATED and any(lf.gpu == addr for lf in latched):
+            if why.startswith(REFUSED_PREFIX):  # something held the GPU until the drain timeout: not its failure
+                add(Reason.GPU_RESET_REFUSED, why, addr)
+                continue
             add(Reason.GPU_RECOVERY_FAILED, f"recovery failed: {why}" if why else "recovery failed", addr)
 
     smi_ran = True

@@ -175,7 +175,9 @@ def summary(r: dict[str, Any]) -> str:
                 (
                     "per-GPU recovery: Xid 119 -> GPU back in service (simulated host, instant reset, poll 0.5 s)",
                     f"p50 {r['recovery']['p50_ms']} / p90 {r['recovery']['p90_ms']} / max {r['recovery']['max_ms']} ms"
-                    f" (n={r['recovery']['n']}); other GPUs' pods disturbed: {r['recovery']['other_pods_disturbed']}",
+                    f" (n={r['recovery']['n']}); other GPUs' pods disturbed: {r['recovery']['other_pods_disturbed']}"
+                    f"; resets succeeded {r['recovery']['outcomes']['succeeded']} / refused"
+                    f" {r['recovery']['outcomes']['refused']} / unsupported {r['recovery']['outcomes']['unsupported']}",
                     "< 60 s + the reset; 0 disturbed",
                     ok(r["recovery"]["max_ms"] < 60_000 and r["recovery"]["other_pods_disturbed"] == 0),
                 )

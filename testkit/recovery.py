@@ -5,6 +5,7 @@ every GPU again), and the chart's release with recovery on."""
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +42,7 @@ class Node:
         self.plugin_pod = ""
         self.plugin_restarts = 0
         self.tmp = tmp
+        self.holders: dict[tuple[str, str], Path] = {}  # holder pod -> the file that stands for its open GPU handle
 
     def add_pod(self, name: str, gpu: int) -> None:
         self.admin.request(
@@ -69,6 +71,21 @@ class Node:
             },
         )
 
+    def add_holder_pod(self, ds: dict[str, Any], handle: Path) -> tuple[str, str]:
+        """A pod of DaemonSet `ds` (e.g. dcgm-exporter) on this node that holds the GPUs while `handle` exists; the
+        kubelet stand-in removes the handle when the pod is deleted (its process exits)."""
+        ns, dsname = ds["metadata"]["namespace"], ds["metadata"]["name"]
+        name = f"{dsname}-{secrets.token_hex(3)}"
+        owner = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": dsname, "uid": ds["metadata"]["uid"],
+                 "controller": True}  # fmt: skip
+        self.admin.request("POST", f"/api/v1/namespaces/{ns}/pods", {
+            "metadata": {"name": name, "ownerReferences": [owner]},
+            "spec": {"nodeName": self.name, "containers": [{"name": "main", "image": "x"}]},
+        })  # fmt: skip
+        handle.write_text("open\n")
+        self.holders[(ns, name)] = handle
+        return ns, name
+
     def sync(self, advertised: set[int] | None = None) -> None:
         assert self.kubelet is not None
         self.kubelet.pods = [grpc_pod(n, [self.gpus[g][1]], ns=self.ns) for n, g in sorted(self.pods.items())]
@@ -86,6 +103,12 @@ class Node:
                 self.deleted.append(name)
                 self.sync()
                 self.admin.request("DELETE", f"/api/v1/namespaces/{self.ns}/pods/{name}", {"gracePeriodSeconds": 0})
+        for (ns, name), handle in list(self.holders.items()):
+            p = self.admin.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}")
+            if p["metadata"].get("deletionTimestamp"):
+                handle.unlink(missing_ok=True)
+                del self.holders[(ns, name)]
+                self.admin.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{name}", {"gracePeriodSeconds": 0})
         if self.plugin_pod:
             p = self.admin.request("GET", f"/api/v1/namespaces/{self.plugin_ns}/pods/{self.plugin_pod}")
             if p["metadata"].get("deletionTimestamp"):
@@ -126,17 +149,18 @@ class Node:
         return next((c for c in node["status"].get("conditions", []) if c["type"] == "GPUReady"), None)
 
 
-def create_plugin_daemonset(admin: KubeApi, namespace: str) -> dict[str, Any]:
-    """The device plugin DaemonSet recovery restarts, placed nowhere (the tests make its pods themselves)."""
+def create_plugin_daemonset(admin: KubeApi, namespace: str, name: str = DS) -> dict[str, Any]:
+    """The device plugin DaemonSet recovery restarts (or, named otherwise, a DaemonSet holding the GPUs, e.g.
+    dcgm-exporter), placed nowhere (the tests make its pods themselves)."""
     return admin.request(
         "POST",
         f"/apis/apps/v1/namespaces/{namespace}/daemonsets",
         {
-            "metadata": {"name": DS},
+            "metadata": {"name": name},
             "spec": {
-                "selector": {"matchLabels": {"app": DS}},
+                "selector": {"matchLabels": {"app": name}},
                 "template": {
-                    "metadata": {"labels": {"app": DS}},
+                    "metadata": {"labels": {"app": name}},
                     "spec": {"nodeSelector": {"no-such-node": "x"}, "containers": [{"name": "p", "image": "x"}]},
                 },
             },
@@ -162,3 +186,19 @@ def recovery_release(
         *extra,
     ]
     return apply_release(cp, kc, name, values), plugin_ns, str(ds["metadata"]["uid"])
+
+
+def reset_processes(host: SimHost) -> list[int]:
+    """Processes running the simulated host's `nvidia-smi -r` (a hung reset left behind would be one)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        args = cmd.split(b"\0")
+        if str(host.nvidia_smi).encode() in args and b"-r" in args:
+            out.append(int(pid))
+    return out

@@ -59,6 +59,18 @@ if sys.argv[1:] == ["-q"]:  # the fabric probe's read: counted apart from the ta
         except (OSError, ValueError):
             n = 0
         open(sc["q_count_file"], "w").write(str(n + 1))
+    if sc.get("q_pending"):  # after a reset: these reads first, one per call (the last one stays)
+        text = sc["q_pending"][0]
+        if len(sc["q_pending"]) > 1:
+            sc["q_pending"] = sc["q_pending"][1:]
+        else:
+            sc["q_pending"] = []
+            sc["q_output"] = text
+        tmp = {scenario!r} + ".q"
+        with open(tmp, "w") as fh:
+            json.dump(sc, fh)
+        os.replace(tmp, {scenario!r})
+        sys.stdout.write(text); sys.exit(0)
     sys.stdout.write(sc.get("q_output", "")); sys.exit(int(sc.get("q_exit_code", 0)))
 if sc.get("count_file"):
     try:
@@ -66,6 +78,22 @@ if sc.get("count_file"):
     except (OSError, ValueError):
         n = 0
     open(sc["count_file"], "w").write(str(n + 1))
+def save(sc):
+    tmp = {scenario!r} + ".w" + str(os.getpid())
+    with open(tmp, "w") as fh:
+        json.dump(sc, fh)
+    os.replace(tmp, {scenario!r})
+bus = sys.argv[sys.argv.index("-i") + 1] if "-i" in sys.argv[1:-1] else ""
+if "-pm" in sys.argv[1:]:  # persistence mode on/off for one GPU (what `nvidia-smi -i <bus> -pm 0|1` does)
+    on = sys.argv[sys.argv.index("-pm") + 1] == "1"
+    sc.setdefault("pm", {{}})[bus] = "Enabled" if on else "Disabled"
+    with open(sc["reset_log"] + ".pm", "a") as fh:
+        fh.write(bus + " " + ("1" if on else "0") + "\n")
+    save(sc)
+    print("Enabled" if on else "Disabled", "persistence mode for GPU", bus + ".")
+    print("All done."); sys.exit(0)
+if any(a == "--query-gpu=persistence_mode" for a in sys.argv[1:]):
+    print((sc.get("pm") or {{}}).get(bus, "Disabled")); sys.exit(0)
 if "-r" in sys.argv[1:] or "--gpu-reset" in sys.argv[1:]:
     r = sc.get("reset") or {{}}
     with open(sc["reset_log"], "a") as fh:
@@ -73,14 +101,18 @@ if "-r" in sys.argv[1:] or "--gpu-reset" in sys.argv[1:]:
     mode = r.get("mode", "ok")
     if mode == "hang":
         time.sleep(float(r.get("seconds", 3600)))
-    if mode == "fail":
-        print("Unable to reset GPU " + sys.argv[-1] + ": In use by another client", file=sys.stderr); sys.exit(3)
+    if mode == "fail":  # an answer that is neither a refusal nor "not supported": a failed reset
+        print("Unable to reset GPU " + sys.argv[-1] + ": the GPU did not recover", file=sys.stderr); sys.exit(255)
+    held = r.get("held_by_pm") and (sc.get("pm") or {{}}).get(bus) == "Enabled"
+    held = held or any(os.path.exists(f) for f in r.get("held_by_files") or ())
+    if mode == "answer" or held:  # a real answer, word for word (tests/fixtures/reset-*.txt)
+        sys.stdout.write(r["answer"] if mode == "answer" else r["refused"])
+        sys.exit(int(r.get("exit_code", 255)))
     if r.get("output_after") is not None:
         sc["output"] = r["output_after"]
-        tmp = {scenario!r} + ".reset"
-        with open(tmp, "w") as fh:
-            json.dump(sc, fh)
-        os.replace(tmp, {scenario!r})
+    if r.get("q_after") is not None:  # the fabric trains again for a few -q reads after the reset
+        sc["q_pending"] = list(r["q_after"])
+    save(sc)
     print("GPU " + sys.argv[-1] + " was successfully reset."); sys.exit(0)
 if any(a.startswith("--query-compute-apps") for a in sys.argv[1:]):
     sys.stdout.write(sc.get("compute_apps", "")); sys.exit(0)
@@ -658,19 +690,74 @@ class SimHost:
         os.replace(tmp, self.scenario)
 
     def set_reset(
-        self, mode: str = "ok", *, seconds: float = 3600, after_err: dict[int, tuple[str, ...]] | None = None
+        self,
+        mode: str = "ok",
+        *,
+        seconds: float = 3600,
+        after_err: dict[int, tuple[str, ...]] | None = None,
+        answer: str | None = None,
+        exit_code: int = 255,
+        refused: str | None = None,
+        held_by_pm: bool = False,
+        held_by_files: tuple[str | Path, ...] = (),
+        fabric_after: tuple[tuple[str, str], ...] = (),
     ) -> None:
         """What `nvidia-smi -r -i <bus id>` does next: "ok" (exit 0, and the table shows the GPUs healthy, or with
-        `after_err`'s ERR! fields: a GPU that came back broken), "fail" (exit 3, "In use by another client"),
-        "hang" (sleeps `seconds`)."""
+        `after_err`'s ERR! fields: a GPU that came back broken), "fail" (exit 255 with words that are neither a refusal
+        nor "not supported": a failed reset),
+        "hang" (sleeps `seconds`), "answer" (prints `answer`, a real reset's words, and exits `exit_code`).
+        With "ok", the reset is refused with `refused` (exit 255) while persistence mode is on for that GPU
+        (`held_by_pm`) or while any of `held_by_files` exists (a holder: a pod, a daemon); `fabric_after`: the
+        (state, status) of every GPU's fabric for the `nvidia-smi -q` reads after the reset, one per read, the
+        last one staying."""
         saved = [g.err_fields for g in self.gpus]
         for i, g in enumerate(self.gpus):
             g.err_fields = tuple((after_err or {}).get(i, ()))
         after = smi_table(self.gpus)
         for g, e in zip(self.gpus, saved, strict=True):
             g.err_fields = e
-        self._reset = {"mode": mode, "seconds": seconds, "output_after": after}
+        q_after = None
+        if fabric_after:
+            keep = [(g.fabric_state, g.fabric_status) for g in self.gpus]
+            q_after = []
+            for state, status in fabric_after:
+                for g in self.gpus:
+                    g.fabric_state, g.fabric_status = state, status
+                q_after.append(smi_q(self.gpus))
+            for g, (state, status) in zip(self.gpus, keep, strict=True):
+                g.fabric_state, g.fabric_status = state, status
+        self._reset = {
+            "mode": mode, "seconds": seconds, "output_after": after, "answer": answer, "exit_code": exit_code,
+            "refused": refused, "held_by_pm": held_by_pm, "held_by_files": [str(f) for f in held_by_files],
+            "q_after": q_after,
+        }  # fmt: skip
         self._rewrite_recovery()
+
+    def set_persistence(self, gpu: int, on: bool = True) -> None:
+        """Persistence mode of one GPU as `nvidia-smi --query-gpu=persistence_mode` reports it."""
+        sc = json.loads(self.scenario.read_text())
+        sc.setdefault("pm", {})[self.gpus[gpu].address.nvml] = "Enabled" if on else "Disabled"
+        self._rewrite(pm=sc["pm"])
+
+    def persistence(self, gpu: int) -> str:
+        return str((json.loads(self.scenario.read_text()).get("pm") or {}).get(self.gpus[gpu].address.nvml, "Disabled"))
+
+    def persistence_changes(self) -> list[str]:
+        """`<bus id> 0|1` per `nvidia-smi -pm` run so far."""
+        try:
+            return Path(str(self.reset_log) + ".pm").read_text().splitlines()
+        except OSError:
+            return []
+
+    def hold_dev_node(self, gpu: int, pid: int, comm: str) -> Path:
+        """A process (in the simulated /proc) with /dev/nvidia<minor> of GPU `gpu` open; returns its /proc dir."""
+        d = self.proc / str(pid)
+        (d / "fd").mkdir(parents=True, exist_ok=True)
+        (d / "comm").write_text(comm + "\n")
+        link = d / "fd" / "3"
+        if not link.is_symlink():
+            link.symlink_to(self.dev / f"nvidia{self.gpus[gpu].minor}")
+        return d
 
     def hold_gpu(self, gpu: int, *pids: int) -> None:
         """Processes with GPU `gpu` open, as `nvidia-smi --query-compute-apps` lists them (none: released)."""

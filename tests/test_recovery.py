@@ -50,8 +50,14 @@ def test_every_reset_gpu_row_of_the_catalog_is_a_reset_and_restart_bm_is_node_le
     assert remedy("RESTART_APP") is Remedy.NONE and remedy("IGNORE") is Remedy.NONE
 
 
-def test_nvml_recovery_action_overrides_the_catalog():
-    assert remedy("RESTART_BM", nvml_action=1) is Remedy.RESET  # GPU reset
+def test_nvml_recovery_action_overrides_the_catalog_but_never_a_reboot_or_nvlink_class_fault():
+    # Xid 79 (fell off the bus: RESTART_BM) and NVLink-class records win over an NVML reset action
+    assert remedy("RESTART_BM", nvml_action=1) is Remedy.NODE
+    assert remedy("RESTART_VM", nvml_action=4) is Remedy.NODE
+    assert remedy("WORKFLOW_NVLINK_ERR", nvml_action=1) is Remedy.NODE
+    assert remedy("WORKFLOW_NVLINK5_ERR", nvml_action=1) is Remedy.NODE
+    assert gpu_remedy(["RESET_GPU", "RESTART_BM"], nvml_action=1) is Remedy.NODE
+    assert remedy("CONTACT_SUPPORT", nvml_action=1) is Remedy.RESET  # anything else: NVML's action decides
     assert remedy("RESET_GPU", nvml_action=2) is Remedy.NODE  # node reboot
     assert remedy("RESET_GPU", nvml_action=4) is Remedy.RESET  # drain and reset
     assert remedy("RESET_GPU", nvml_action=0) is Remedy.RESET  # 0: none reported, the catalog decides
@@ -222,7 +228,7 @@ def test_escalated_gpu_makes_the_node_gpurecoveryfailed_and_shows_remedy_and_ste
     bm = LatchedFault(79, A.kernel, A, "xid", "t", T0, "RESTART_BM")
     assert verdict(obs, [bm]).gpus[0].remedy == "node"
     f = Finding.fault(Check.NVML, Reason.NVML_HEALTH, "GPU recovery action: GPU reset", A, kind="recovery_action")
-    assert verdict(Observation(findings=[f], gpus=obs.gpus), [bm]).gpus[0].remedy == "reset"  # NVML wins
+    assert verdict(Observation(findings=[f], gpus=obs.gpus), [bm]).gpus[0].remedy == "node"  # Xid 79 wins over NVML
 
 
 def test_check_json_shows_the_remedy_per_gpu(simhost):

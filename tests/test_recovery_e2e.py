@@ -11,22 +11,19 @@ escalates)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
-from testkit.simhost import SimHost
 
 pytest.importorskip("grpc")  # the pod-resources stand-in's server (dev extra)
 
 from testkit.podresources import serve_pod_resources
-from testkit.recovery import Node
+from testkit.recovery import Node, reset_processes
 from testkit.recovery import recovery_release as make_release
 
 K = 4  # the GPU that faults
@@ -49,22 +46,6 @@ def node(control_plane, recovery_release, tmp_path) -> Iterator[tuple[Node, str]
         n.kubelet = k
         n.sync(advertised=set(range(8)))
         yield n, sock
-
-
-def reset_processes(host: SimHost) -> list[int]:
-    """Processes running the simulated host's `nvidia-smi -r` (a hung reset left behind would be one)."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        args = cmd.split(b"\0")
-        if str(host.nvidia_smi).encode() in args and b"-r" in args:
-            out.append(int(pid))
-    return out
 
 
 @pytest.mark.apiserver
@@ -139,6 +120,7 @@ def test_a_process_holding_the_gpu_refuses_the_reset_then_escalates(node):
     try:
         a.wait_status(n.admin, "True", timeout=60)
         n.host.append_xid(119, gpu=K)
+        n.sync(advertised=set(range(8)) - {K})  # the device plugin marks it unhealthy (no new pod lands on it)
         c = a.wait_status(n.admin, "False", "GPURecoveryFailed", timeout=60)
         assert "process(es) hold it" in c["message"], c["message"]
         assert n.host.resets() == []  # never attempted
@@ -159,6 +141,7 @@ def test_a_hung_or_failed_reset_is_killed_and_escalates(node, mode):
     try:
         a.wait_status(n.admin, "True", timeout=60)
         n.host.append_xid(119, gpu=K)
+        n.sync(advertised=set(range(8)) - {K})  # the device plugin marks it unhealthy (no new pod lands on it)
         c = a.wait_status(n.admin, "False", "GPURecoveryFailed", timeout=60)
         assert "reset failed" in c["message"], c["message"]
         assert len(n.host.resets()) == 1  # never a loop: one attempt
@@ -203,6 +186,7 @@ def test_an_agent_stopped_during_a_reset_kills_it_and_the_next_one_resumes_witho
     try:
         a.wait_status(n.admin, "True", timeout=60)
         n.host.append_xid(119, gpu=K)
+        n.sync(advertised=set(range(8)) - {K})  # the device plugin marks it unhealthy (no new pod lands on it)
         wait_for(lambda: reset_processes(n.host) and n.host.resets(), 60, 0.05, "the reset running (hung)")
         assert a.terminate() == 0
         assert reset_processes(n.host) == []  # killed with the agent

@@ -278,3 +278,97 @@ def test_recovery_without_pod_resources_fails_with_one_line():
     r = helm("template", "x", str(CHART), "--set", "recovery.enabled=true", check=False)
     assert r.returncode != 0
     assert "recovery.enabled needs podResources.enabled" in r.stderr, r.stderr
+
+
+def test_host_pid_only_with_recovery_and_only_when_asked():
+    """`recovery.hostPID` lets a refused reset name the host process holding the GPU; it is off by default and means
+    nothing without recovery."""
+
+    def host_pid(vals: list[str]) -> bool | None:
+        (ds,) = by_kind(render(vals), "DaemonSet").values()
+        return ds["spec"]["template"]["spec"].get("hostPID")
+
+    on = ["--set", "recovery.enabled=true", "--set", "podResources.enabled=true"]
+    assert host_pid([]) is None and host_pid(on) is None
+    assert host_pid(["--set", "recovery.hostPID=true"]) is None  # recovery off: nothing
+    assert host_pid([*on, "--set", "recovery.hostPID=true"]) is True
+
+
+HOLDER = "nvidia-dcgm-exporter"
+
+
+def ds_pod(admin: KubeApi, ns: str, ds: dict[str, Any], node: str) -> tuple[str, str]:
+    """A pod of DaemonSet `ds` on `node` (owner reference as the DaemonSet controller sets it)."""
+    name = f"{ds['metadata']['name']}-{secrets.token_hex(3)}"
+    owner = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": ds["metadata"]["name"],
+             "uid": ds["metadata"]["uid"], "controller": True}  # fmt: skip
+    admin.request("POST", f"/api/v1/namespaces/{ns}/pods", {
+        "metadata": {"name": name, "ownerReferences": [owner]},
+        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "x"}]},
+    })  # fmt: skip
+    return ns, name
+
+
+@pytest.mark.apiserver
+def test_release_holders_lets_the_token_delete_only_those_daemonsets_pods_on_its_own_node(rec_cluster, tmp_path):
+    """`recovery.releaseHolders`: the token may delete the pod of a listed DaemonSet (dcgm-exporter here) on its own
+    node, before a reset; not the same DaemonSet's pod on another node, not a pod in that namespace the DaemonSet does
+    not own; without the value no right at all. The agent's own code deletes exactly the one on its node."""
+    from prometheus_client import CollectorRegistry
+
+    from agent.act.recovery import RecoveryActor, RecoveryMetrics, RecoverySettings
+    from agent.model import PciAddress
+    from agent.proc import SupervisedRunner
+    from agent.recovery import Policy
+    from agent.state import LatchState
+
+    c = rec_cluster
+    hns = f"dcgm-{secrets.token_hex(3)}"
+    ensure_namespace(c.admin, hns)
+    holder = create_plugin_daemonset(c.admin, hns, HOLDER)
+    other = create_plugin_daemonset(c.admin, hns, "something-else")
+    kc = c.cp.kubeconfig(tmp_path / "admin")
+    vals = [*values(c.env.plugin_ns, False), "--set", f"recovery.releaseHolders[0].namespace={hns}",
+            "--set", f"recovery.releaseHolders[0].daemonSet={HOLDER}"]  # fmt: skip
+    rel = apply_release(c.cp, kc, "sech", vals)
+    a, b = f"sech-{secrets.token_hex(4)}", c.env.node_b
+    create_node(c.admin, a, {"nvidia.com/gpu.present": "true"}, {"nvidia.com/gpu": "8"})
+    api = c.token(rel, a)
+    plain = c.token(c.no_evict, a)
+
+    def status(tok: KubeApi, pod: tuple[str, str]) -> tuple[int, str]:
+        try:
+            tok.request("DELETE", f"/api/v1/namespaces/{pod[0]}/pods/{pod[1]}")
+            return 200, ""
+        except ApiError as err:
+            return err.status, str(err)
+
+    try:
+        wait_for(lambda: status(api, ds_pod(c.admin, hns, holder, b))[0] == 403, 60, 0.5, "the policy in effect")
+        code, msg = status(api, ds_pod(c.admin, hns, holder, b))
+        assert code == 403 and denied_by(msg) == "policy recovery-pods", msg  # its pod on another node
+        code, msg = status(api, ds_pod(c.admin, hns, other, a))
+        assert code == 403 and denied_by(msg) == "policy recovery-pods", msg  # a DaemonSet not listed
+        refused = ds_pod(c.admin, hns, holder, a)
+        code, msg = status(plain, refused)
+        assert code == 403 and denied_by(msg) == "RBAC", msg  # a release without releaseHolders: no right
+        assert status(api, ds_pod(c.admin, hns, holder, a))[0] == 200  # its pod on the token's own node
+        mine, theirs = ds_pod(c.admin, hns, holder, a), ds_pod(c.admin, hns, holder, b)
+        events: list[tuple[str, ...]] = []
+        actor = RecoveryActor(
+            api, a, LatchState(str(tmp_path / "state"), "b"),
+            RecoverySettings(Policy(), release_holders=((hns, HOLDER),)),
+            smi=SupervisedRunner("true"), kmsg_seq=lambda: None, on_event=lambda *x: events.append(x),
+            metrics=RecoveryMetrics(CollectorRegistry()), log=_Log(),
+        )  # fmt: skip
+        actor._release_holders(PciAddress(0, 0xBB, 0))
+    finally:
+        api.close()
+        plain.close()
+
+    def terminating(ns_name: tuple[str, str]) -> bool:
+        p = c.admin.request("GET", f"/api/v1/namespaces/{ns_name[0]}/pods/{ns_name[1]}")
+        return bool(p["metadata"].get("deletionTimestamp"))
+
+    assert terminating(mine) and terminating(refused) and not terminating(theirs)  # both of its node, only those
+    assert [x[0] for x in events] == ["GPUHolderReleased"] * 2

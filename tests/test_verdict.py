@@ -127,8 +127,9 @@ def test_reason_order(first, second):
 
 
 def test_documented_order_is_exact():
-    assert [r.value for r in FAULT_REASONS][:11] == [
+    assert [r.value for r in FAULT_REASONS][:12] == [
         "GPURecoveryFailed",
+        "GPUResetRefused",
         "FatalXid",
         "NvidiaSmiFailed",
         "NvmlHealth",

@@ -24,7 +24,7 @@ CORDONED_BY = "gpu-ready.io/preflight-cordoned"
 # The condition reasons of a fault the agent keeps latched until a reboot, a reset or an operator's clear (the
 # verdict's LATCHED_REASONS; a test holds the two equal). Preflight on such a node would only test a GPU known to
 # be broken: the run waits for the remedy, and a pass then cannot remove the mark while the fault still stands.
-LATCHED_REASONS = frozenset({"FatalXid", "GPURecoveryFailed"})
+LATCHED_REASONS = frozenset({"FatalXid", "GPURecoveryFailed", "GPUResetRefused"})
 _PERCENT = re.compile(r"^(\d{1,3})%$")
 
 

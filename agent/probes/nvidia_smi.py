@@ -5,11 +5,12 @@ including the MIG devices section and output preceded by unrelated lines."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult, Reason, Severity
 from agent.probes.base import ProbeContext
-from agent.proc import SupervisedRunner
+from agent.proc import Run, SupervisedRunner
 from agent.settings import Setting, positive, to_float, to_str
 
 # Every pattern here runs on one line cut to MAX_LINE characters, and none has two unbounded quantifiers
@@ -372,6 +373,12 @@ class NvidiaSmiRunner(SupervisedRunner):
         max_output_bytes: int = MAX_TEXT,
     ) -> None:
         super().__init__(path, timeout_s, reap_grace_s, max_output_bytes, name="nvidia-smi")
+        self.paused = False  # a GPU reset runs: no nvidia-smi beside it (agent/probes/nvml_pause.py)
+
+    def run(self, args: Sequence[str] = ()) -> Run:
+        if self.paused:
+            return Run(None, "", 0.0, error="nvidia-smi paused while a GPU reset runs")
+        return super().run(args)
 
 
 class NvidiaSmiProbe:

@@ -228,6 +228,7 @@ class NvmlProbe:
         self._calls = BoundedCalls("NVML", deadline_s, max_blocked=1)  # one stuck call: no further call starts
         self._initialized = False
         self._lock = threading.Lock()
+        self.paused = False  # a GPU reset runs: NVML is shut down until it ends (agent/probes/nvml_pause.py)
 
     def _lib(self) -> Any:
         if self._nvml is None:
@@ -256,6 +257,8 @@ class NvmlProbe:
     def sample(self) -> tuple[list[Finding], NvmlSnapshot | None]:
         if self.mode == "off":
             return [], None
+        if self.paused:
+            return [Finding.info(Check.NVML, "NVML paused while a GPU reset runs", kind="paused")], None
         with self._lock:
             try:
                 findings, self.snapshot = self._probe()
