@@ -14,6 +14,7 @@ import argparse
 import copy
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -82,16 +83,72 @@ class ControllerMetrics:
         )
 
 
+MAX_TEMPLATE_DEPTH = 64  # the chart's Job nests about 12 levels
+
+
+def _depth(obj: Any) -> int:
+    """How deep a loaded document nests (iteratively: a hostile one cannot exhaust the stack here)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_TEMPLATE_DEPTH:
+            break
+        if isinstance(o, dict):
+            stack.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, list):
+            stack.extend((v, d + 1) for v in o)
+    return deepest
+
+
 def load_template(path: str) -> dict[str, Any]:
-    """The chart's preflight Job (rendered into the controller's ConfigMap and mounted as a file)."""
-    with open(path, "rb") as f:
-        raw = f.read(MAX_TEMPLATE_BYTES + 1)
+    """The chart's preflight Job (rendered into the controller's ConfigMap and mounted as a file): a regular file
+    (a FIFO or a device would block the read), at most MAX_TEMPLATE_BYTES, nesting at most MAX_TEMPLATE_DEPTH, a
+    batch/v1 Job with a pod spec and at least one container. Anything else is a ValueError of one line."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        raw = os.read(fd, MAX_TEMPLATE_BYTES + 1)
+    finally:
+        os.close(fd)
     if len(raw) > MAX_TEMPLATE_BYTES:
         raise ValueError(f"{path}: more than {MAX_TEMPLATE_BYTES} bytes")
-    job = yaml.safe_load(raw)
+    if raw.count(b"[") + raw.count(b"{") > 4 * MAX_TEMPLATE_DEPTH and _flow_depth(raw) > MAX_TEMPLATE_DEPTH:
+        raise ValueError(f"{path}: nests deeper than {MAX_TEMPLATE_DEPTH} levels")
+    try:
+        job = yaml.safe_load(raw)
+    except RecursionError:
+        raise ValueError(f"{path}: nests deeper than {MAX_TEMPLATE_DEPTH} levels") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not YAML: {str(e).splitlines()[0][:200]}") from None
+    if _depth(job) > MAX_TEMPLATE_DEPTH:
+        raise ValueError(f"{path}: nests deeper than {MAX_TEMPLATE_DEPTH} levels")
     if not isinstance(job, dict) or job.get("kind") != "Job" or not isinstance(job.get("spec"), dict):
         raise ValueError(f"{path}: not a batch/v1 Job")
+    template = job["spec"].get("template")
+    pod = template.get("spec") if isinstance(template, dict) else None
+    if not isinstance(pod, dict) or not isinstance(pod.get("containers"), list) or not pod["containers"]:
+        raise ValueError(f"{path}: the Job has no pod spec with containers (spec.template.spec.containers)")
+    if not all(isinstance(c, dict) for c in pod["containers"]):
+        raise ValueError(f"{path}: spec.template.spec.containers must be a list of containers")
     return job
+
+
+def _flow_depth(raw: bytes) -> int:
+    """The deepest nesting of flow brackets ([ and {), quoted text included: an upper bound, read in one pass
+    before the YAML parser (whose composer recurses once per level) sees the document."""
+    depth = deepest = 0
+    for b in raw:
+        if b in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif b in (0x5D, 0x7D) and depth:
+            depth -= 1
+    return deepest
 
 
 def render_job(template: dict[str, Any], prefix: str, namespace: str, node: str, attempt: int) -> dict[str, Any]:
@@ -398,6 +455,12 @@ def check_args(a: argparse.Namespace) -> str | None:
         max_unavailable(a.max_unavailable, 100)
     except ValueError as e:
         return str(e)
+    from agent.settings import host_port
+
+    try:
+        host_port(a.metrics_address)
+    except ValueError as e:
+        return f"--metrics-address: {e}"
     return None
 
 
@@ -413,17 +476,21 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         c = Controller(args)
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        print(f"gpu-ready controller: {str(e)[:300]}", file=sys.stderr)
+    except (OSError, ValueError, yaml.YAMLError, RecursionError) as e:
+        print(f"gpu-ready controller: {(str(e) or type(e).__name__).splitlines()[0][:300]}", file=sys.stderr)
         return 2
     except ConfigError as e:
         print(f"gpu-ready controller: {e}", file=sys.stderr)
         return 2
-    server = HealthServer(
-        args.metrics_address, c.m.registry, lambda: (True, "ok"),
-        lambda: (True, "leading" if c.elector.leading else "standby"),
-    )  # fmt: skip
-    server.start()
+    try:
+        server = HealthServer(
+            args.metrics_address, c.m.registry, lambda: (True, "ok"),
+            lambda: (True, "leading" if c.elector.leading else "standby"),
+        ).start()  # fmt: skip
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or e
+        print(f"gpu-ready controller: cannot serve --metrics-address {args.metrics_address}: {why}", file=sys.stderr)
+        return 2
     stop = on_stop_signals(lambda name: c.log.info("stopping", signal=name))
     t = threading.Thread(target=c.run, name="controller", daemon=True)
     t.start()

@@ -138,6 +138,7 @@ env:
   - name: NODE_NAME
     valueFrom:
       fieldRef:
+        apiVersion: v1
         fieldPath: spec.nodeName
   {{- if eq .step "gates" }}
   - name: NVIDIA_VISIBLE_DEVICES
@@ -158,6 +159,9 @@ securityContext:
   runAsUser: 65532
   capabilities:
     drop: ["ALL"]
+terminationMessagePath: /dev/termination-log
+terminationMessagePolicy: File
+resources: {}
 volumeMounts:
   - name: profile
     mountPath: /etc/gpu-ready-preflight
@@ -241,3 +245,7 @@ volumeMounts:
 {{- fail (printf "config.preflightLabel and preflight.needsLabel are both %s: they must differ" .Values.preflight.needsLabel) }}
 {{- end }}
 {{- end -}}
+
+{{- /* The label that makes a Node one of the chart's GPU nodes (the controller's --gpu-selector, the DaemonSet's
+       affinity): the controller's Jobs and preflight's cordon are held to Nodes carrying it set to "true". */ -}}
+{{- define "gpu-ready.gpuLabelKey" -}}nvidia.com/gpu.present{{- end -}}
