@@ -46,6 +46,7 @@ from agent.controller.plan import (
     plan_preflight,
 )
 from agent.kube.client import ApiError, KubeApi, connect
+from agent.kube.object_watch import ObjectWatch
 from agent.logs import get_logger, setup_logging
 
 REPORTING_CONTROLLER = "gpu-ready-controller"
@@ -196,6 +197,15 @@ class Controller:
             self.wake.set,
             a.watch_timeout,
         )
+        # The brake ConfigMap as the apiserver has it (one watch, by name): a copy someone else changed (deleted,
+        # garbled, "everyone admitted", oversized) is rewritten with what this controller computed.
+        self.brake_watch: ObjectWatch | None = (
+            ObjectWatch(self.api, ns, a.brake, on_change=lambda _o: self.wake.set(), watch_timeout_s=a.watch_timeout)
+            if a.brake
+            else None
+        )
+        self.brake_versions: list[str] = []  # resourceVersions of this process's own brake writes (the newest few)
+        self.brake_repairs = 0
         self.created: dict[str, tuple[str, int, float]] = {}  # Job name -> (node, attempt, mono): not yet seen
         self.brake_data: dict[str, str] | None = None  # what the ConfigMap holds, as last written or read
         self.brake: BrakeState | None = None
@@ -243,6 +253,8 @@ class Controller:
             self.started = True
             self.nodes.start()
             self.jobs.start()
+            if self.brake_watch is not None:
+                self.brake_watch.start()
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -251,6 +263,8 @@ class Controller:
         if self.started:
             self.nodes.stop()
             self.jobs.stop()
+            if self.brake_watch is not None:
+                self.brake_watch.stop()
 
     # -- one round ----------------------------------------------------------------------------------------
 
@@ -300,7 +314,10 @@ class Controller:
         self.m.brake.set(1 if st.engaged else 0)
         self.m.unavailable.set(len(st.unavailable))
         self.m.budget.set(st.budget)
-        data = st.data()
+        data = {**st.data(), "selector": self.args.gpu_selector}
+        tampered = self._brake_tampered()
+        if tampered:
+            self.brake_data = None  # write what was computed, now
         # What the agents act on (engaged, admitted) is written at once; the counts alone (for people and alerts)
         # at most once per resync, so a storm of Node changes is not a storm of ConfigMap writes and of watch
         # events to every agent.
@@ -310,10 +327,12 @@ class Controller:
         decisive = (old.get("engaged"), old.get("admitted")) != (data["engaged"], data["admitted"])
         since = time.monotonic() - self.brake_written_at
         self.brake_due = None
-        if data != self.brake_data and ((decisive and since >= BRAKE_BATCH_S) or since >= self.args.resync):
+        if data != self.brake_data and (
+            ((decisive or tampered) and since >= BRAKE_BATCH_S) or since >= self.args.resync
+        ):
             self._write_brake(data)
             self.brake_written_at = time.monotonic()
-        elif decisive:
+        elif decisive or tampered:
             self.brake_due = self.brake_written_at + BRAKE_BATCH_S
         if st.engaged != was:
             what = "engaged" if st.engaged else "released"
@@ -328,6 +347,23 @@ class Controller:
             )  # fmt: skip
         return st.engaged
 
+    def _brake_tampered(self) -> bool:
+        """Whether the brake ConfigMap, as the watch last saw it, is not this controller's: absent, or a version
+        it did not write whose data differs from what it wrote."""
+        w = self.brake_watch
+        if w is None or not w.known or self.brake_data is None:
+            return False
+        obj = w.get()
+        if obj is None:
+            bad = True
+        else:
+            rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+            bad = rv not in self.brake_versions and obj.get("data") != self.brake_data
+        if bad:
+            self.brake_repairs += 1
+            self.log.warning("the brake ConfigMap was changed by someone else: rewriting it", name=self.args.brake)
+        return bad
+
     def _cm_path(self, name: str | None = None) -> str:
         base = f"/api/v1/namespaces/{quote(self.args.namespace)}/configmaps"
         return f"{base}/{quote(name)}" if name else base
@@ -339,6 +375,7 @@ class Controller:
         except ApiError:
             return ()
         self.brake_data = cm.get("data") or {}
+        self._own_version(cm)
         raw = (cm.get("data") or {}).get("admitted") or ""
         return tuple(n for n in raw.split(",") if n)
 
@@ -351,12 +388,18 @@ class Controller:
             "data": data,
         }  # fmt: skip
         try:
-            self.api.request("PUT", self._cm_path(self.args.brake), body)
+            out = self.api.request("PUT", self._cm_path(self.args.brake), body)
         except ApiError as e:
             if e.status != 404:
                 raise
-            self.api.request("POST", self._cm_path(), body)
+            out = self.api.request("POST", self._cm_path(), body)
         self.brake_data = data
+        self._own_version(out)
+
+    def _own_version(self, obj: Any) -> None:
+        rv = str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "") if isinstance(obj, dict) else ""
+        if rv:
+            self.brake_versions = [*self.brake_versions[-7:], rv]
 
     def _create(self, node: str, attempt: int) -> None:
         job = render_job(self.template, self.args.job_prefix, self.args.namespace, node, attempt)
