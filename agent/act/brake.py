@@ -85,7 +85,7 @@ def engaged_for(obj: dict[str, Any] | None, node: str, labels: dict[str, str] | 
         return True  # malformed: fails closed, whatever else it says
     if node in admitted:
         return False
-    data = obj.get("data") if isinstance(obj.get("data"), dict) else {}
+    data: dict[str, Any] = obj.get("data") or {}  # a dict: admitted_nodes read it
     # a node the selector does not match is not one of the controller's GPU nodes: it never counts or admits it
     return labels is None or selector_matches(data.get("selector"), labels) is not False
 
