@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import secrets
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -351,13 +353,39 @@ SMUGGLED = {
 ALL_OTHER = {**OTHER_SPECS, **SINGLE_FIELD, **SMUGGLED}
 
 
-@pytest.mark.parametrize("what", sorted(ALL_OTHER))
-def test_controller_may_not_create_a_job_other_than_the_template(setup, what):
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "controller.md"
+BEGIN, END = "<!-- controller-jobs-table:begin -->", "<!-- controller-jobs-table:end -->"
+
+
+def jobs_table(observed: dict[str, tuple[int, str]]) -> str:
+    lines = ["| the Job differs from the template in | result |", "|---|---|"]
+    for what in ALL_OTHER:
+        status, who = observed[what]
+        lines.append(f"| {what} | {status}" + (f" ({who})" if who else "") + " |")
+    return "\n".join(lines)
+
+
+def test_controller_may_not_create_a_job_other_than_the_template(setup):
+    """Every row: refused by the controller's policy, and no pod of it ever made (the Job controller runs). The
+    table in docs/controller.md is this run's (GPU_READY_UPDATE_DOCS=1 rewrites it)."""
     s = setup
-    job = ALL_OTHER[what](template_job(s, s["a"]))
-    status, who = code(create_job(s, job))
-    assert status == 403 and who == "policy controller-bounds", (what, status, who)
-    assert not job_pods(s["admin"], s["marks"].ns, job["metadata"]["name"])  # nothing ran
+    observed, problems, names = {}, [], []
+    for what, edit in ALL_OTHER.items():
+        job = edit(template_job(s, s["a"]))
+        names.append(job["metadata"]["name"])
+        observed[what] = code(create_job(s, job))
+        if observed[what] != (403, "policy controller-bounds"):
+            problems.append(f"{what}: {observed[what]}")
+    assert not problems, "\n".join(problems)
+    assert not [n for n in names if job_pods(s["admin"], s["marks"].ns, n)]  # none of them made a pod
+    print(f"\n[controller-jobs] {len(ALL_OTHER)} Jobs other than the template, every one refused")
+    text = DOCS.read_text()
+    assert BEGIN in text and END in text, f"{DOCS} has no {BEGIN} ... {END} section"
+    current, rendered = text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip(), jobs_table(observed)
+    if current != rendered and os.environ.get("GPU_READY_UPDATE_DOCS") == "1":
+        DOCS.write_text(text[: text.index(BEGIN) + len(BEGIN)] + "\n" + rendered + "\n" + text[text.index(END) :])
+        current = rendered
+    assert current == rendered, "docs/controller.md's Job table is stale: rerun with GPU_READY_UPDATE_DOCS=1"
 
 
 def test_the_template_job_runs_its_pod_under_the_job_controller(setup):
