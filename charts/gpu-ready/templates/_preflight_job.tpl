@@ -23,6 +23,7 @@ spec:
   parallelism: 1
   completionMode: NonIndexed
   suspend: false
+  manualSelector: false
   podReplacementPolicy: TerminatingOrFailed
   template:
     metadata:
@@ -148,7 +149,7 @@ spec:
 {{- $spec := $job.spec -}}
 {{- $_ := set $spec "selector" (dict "matchLabels" (dict "batch.kubernetes.io/controller-uid" "__GPU_READY_UID__")) -}}
 {{- $_ := set $spec.template "metadata" "__GPU_READY_TEMPLATE_METADATA__" -}}
-{{- toJson $spec | replace "\"__GPU_READY_NODE__\"" "variables.node" | replace "\"__GPU_READY_UID__\"" "object.metadata.uid" | replace "\"__GPU_READY_TEMPLATE_METADATA__\"" "object.spec.template.metadata" -}}
+{{- include "gpu-ready.cel.literal" $spec | replace "\"__GPU_READY_NODE__\"" "variables.node" | replace "\"__GPU_READY_UID__\"" "object.metadata.uid" | replace "\"__GPU_READY_TEMPLATE_METADATA__\"" "object.spec.template.metadata" -}}
 {{- end -}}
 
 {{- /* The pod template's labels as the apiserver stores them: the template's, and the four the Job's create adds. */ -}}
@@ -159,7 +160,7 @@ spec:
 {{- $_ := set $l "controller-uid" "__GPU_READY_UID__" -}}
 {{- $_ := set $l "batch.kubernetes.io/job-name" "__GPU_READY_NAME__" -}}
 {{- $_ := set $l "job-name" "__GPU_READY_NAME__" -}}
-{{- toJson $l | replace "\"__GPU_READY_UID__\"" "object.metadata.uid" | replace "\"__GPU_READY_NAME__\"" "object.metadata.name" -}}
+{{- include "gpu-ready.cel.literal" $l | replace "\"__GPU_READY_UID__\"" "object.metadata.uid" | replace "\"__GPU_READY_NAME__\"" "object.metadata.name" -}}
 {{- end -}}
 
 {{- /* The Job's own labels as the controller sends them: the template's and its three bookkeeping labels (their
@@ -170,5 +171,19 @@ spec:
 {{- $_ := set $l "gpu-ready.io/managed-by" "gpu-ready-controller" -}}
 {{- $_ := set $l "gpu-ready.io/preflight-node" "__GPU_READY_NODE_LABEL__" -}}
 {{- $_ := set $l "gpu-ready.io/preflight-attempt" "__GPU_READY_ATTEMPT__" -}}
-{{- toJson $l | replace "\"__GPU_READY_NODE_LABEL__\"" "object.metadata.labels[?\"gpu-ready.io/preflight-node\"].orValue(\"\")" | replace "\"__GPU_READY_ATTEMPT__\"" "object.metadata.labels[?\"gpu-ready.io/preflight-attempt\"].orValue(\"\")" -}}
+{{- include "gpu-ready.cel.literal" $l | replace "\"__GPU_READY_NODE_LABEL__\"" "object.metadata.labels[?\"gpu-ready.io/preflight-node\"].orValue(\"\")" | replace "\"__GPU_READY_ATTEMPT__\"" "object.metadata.labels[?\"gpu-ready.io/preflight-attempt\"].orValue(\"\")" -}}
+{{- end -}}
+
+
+{{- /* A value as a CEL literal the apiserver's type checker takes: its literals must be homogeneous, so every map
+       value and list element is wrapped in dyn(); strings, numbers and booleans as JSON writes them. */ -}}
+{{- define "gpu-ready.cel.literal" -}}
+{{- if kindIs "map" . -}}
+{{- $v := . -}}
+{ {{- range $i, $k := keys $v | sortAlpha }}{{ if $i }}, {{ end }}{{ toJson $k }}: dyn({{ include "gpu-ready.cel.literal" (get $v $k) }}){{ end -}} }
+{{- else if kindIs "slice" . -}}
+[ {{- range $i, $e := . }}{{ if $i }}, {{ end }}dyn({{ include "gpu-ready.cel.literal" $e }}){{ end -}} ]
+{{- else -}}
+{{- toJson . -}}
+{{- end -}}
 {{- end -}}
