@@ -56,6 +56,16 @@ def jobs_control_plane() -> Iterator[ControlPlane]:
         cp.stop()
 
 
+def apply_quotas(admin: KubeApi, rel: Release) -> list[str]:
+    """The release's ResourceQuotas (testkit.chart.apply_release applies RBAC and policies only): the pod and Job
+    quotas that bound preflight. Returns their names."""
+    names = []
+    for name, q in by_kind(rel.docs, "ResourceQuota").items():
+        admin.request("POST", f"/api/v1/namespaces/{rel.ns}/resourcequotas", q)
+        names.append(name)
+    return names
+
+
 def controller_name(rel: Release) -> str:
     return f"{rel.fullname}-controller"
 

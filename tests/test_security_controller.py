@@ -22,7 +22,7 @@ import yaml
 from agent.kube.client import MERGE_PATCH, ApiError, KubeApi
 from testkit.chart import Release, apply_release, by_kind
 from testkit.cluster import bound_token, create_node, ensure_namespace
-from testkit.controller import VALUES, controller_api, gpu_node, job_pods, jobs_control_plane
+from testkit.controller import VALUES, apply_quotas, controller_api, gpu_node, job_pods, jobs_control_plane
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
 from testkit.security import client_as, denied_by_policy, outcome
@@ -46,6 +46,7 @@ def setup(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory)
     marks = apply_release(control_plane, kc, "secm", MARKS)
     plain = apply_release(control_plane, kc, "secp", [*VALUES])  # preflightAfterFault unset, requirePreflight off
     admin = control_plane.admin()
+    assert apply_quotas(admin, marks)
     a, b = gpu_node(admin, "sec", {"preflight": "passed"}), gpu_node(admin, "sec")
     out = {"admin": admin, "a": a, "b": b, "marks": marks, "plain": plain, "cp": control_plane}
     for key, rel in (("agent", marks), ("agent_plain", plain)):
@@ -301,9 +302,10 @@ SINGLE_FIELD = {
     "the pod's deadline": _edit(lambda j: _pod(j).update(activeDeadlineSeconds=99999)),
     "ttlSecondsAfterFinished": _edit(lambda j: j["spec"].update(ttlSecondsAfterFinished=0)),
     "the Job's deadline": _edit(lambda j: j["spec"].update(activeDeadlineSeconds=99999)),
-    "a podFailurePolicy": _edit(
+    "a podFailurePolicy (and the podReplacementPolicy it needs)": _edit(
         lambda j: j["spec"].update(
-            podFailurePolicy={"rules": [{"action": "Ignore", "onExitCodes": {"operator": "In", "values": [1]}}]}
+            podReplacementPolicy="Failed",
+            podFailurePolicy={"rules": [{"action": "Ignore", "onExitCodes": {"operator": "In", "values": [1]}}]},
         )
     ),
     "an env from a Secret": _edit(
@@ -425,6 +427,10 @@ def test_the_apiserver_bounds_preflight_pods_and_jobs(setup):
     s = setup
     ns = s["marks"].ns
     admin: KubeApi = s["admin"]
+    quotas = f"/api/v1/namespaces/{ns}/resourcequotas"
+    for q in ("preflight", "preflight-jobs"):  # the quota controller has counted (until then nothing is held)
+        path = f"{quotas}/{s['marks'].fullname}-{q}"
+        assert wait_for(lambda p=path: (admin.request("GET", p).get("status") or {}).get("used") is not None, 60), q
     made, refused = [], []
     for _ in range(MAX_JOBS + 2):
         job = template_job(s, s["a"])
@@ -435,7 +441,7 @@ def test_the_apiserver_bounds_preflight_pods_and_jobs(setup):
             refused.append((status, who))
     assert refused and all(r == (403, "") for r in refused), refused  # the quota: neither RBAC nor a policy
     assert len(made) <= MAX_JOBS
-    quota = f"/api/v1/namespaces/{ns}/resourcequotas/{s['marks'].fullname}-preflight"
+    quota = f"{quotas}/{s['marks'].fullname}-preflight"
     assert wait_for(lambda: (admin.request("GET", quota).get("status") or {}).get("used", {}).get("pods") == "2", 60)
 
     def live() -> list[dict[str, Any]]:
@@ -505,8 +511,7 @@ def test_controller_writes_only_its_lease_and_the_brake_configmap(setup):
 
 def test_controller_events_cannot_claim_another_reporter(setup):
     s = setup
-    rel: Release = s["marks"]
-    path = f"/apis/events.k8s.io/v1/namespaces/{rel.ns}/events"
+    path = "/apis/events.k8s.io/v1/namespaces/default/events"  # Events about a Node: default (events.namespace)
 
     def event(**over: Any) -> dict[str, Any]:
         ev = {"metadata": {"generateName": "gpu-ready-controller-"}, "eventTime": "2026-01-01T00:00:00.000000Z",
