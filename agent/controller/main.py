@@ -206,6 +206,7 @@ class Controller:
         )
         self.brake_versions: list[str] = []  # resourceVersions of this process's own brake writes (the newest few)
         self.brake_repairs = 0
+        self.brake_blind_at = -1e9  # when a brake rewrite last went out while its watch was failing (mono)
         self.created: dict[str, tuple[str, int, float]] = {}  # Job name -> (node, attempt, mono): not yet seen
         self.brake_data: dict[str, str] | None = None  # what the ConfigMap holds, as last written or read
         self.brake: BrakeState | None = None
@@ -354,7 +355,13 @@ class Controller:
         if w is None or not w.known or self.brake_data is None:
             return False
         obj = w.get()
-        if obj is None:
+        if not w.live:
+            # the watch fails (e.g. a copy over the watch's event limit: someone padded it); rewrite it, at most
+            # once per resync, which also makes a watch possible again
+            bad = time.monotonic() - self.brake_blind_at >= self.args.resync
+            if bad:
+                self.brake_blind_at = time.monotonic()
+        elif obj is None:
             bad = True
         else:
             rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
