@@ -578,3 +578,37 @@ def test_preflight_cordons_no_control_plane_or_other_node(setup):
         body = {"spec": {"unschedulable": True}, "metadata": {"annotations": {CORDON_MARK: "true"}}}
         assert code(patch(pf, node, body)) == (403, "policy preflight-own-node-only"), labels
         assert not s["admin"].get_node(node)["spec"].get("unschedulable")
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "charts" / "gpu-ready" / "examples"
+
+
+@pytest.mark.parametrize("example", sorted(p.stem for p in EXAMPLES.glob("*.yaml")))
+def test_each_examples_template_job_is_the_one_the_policy_admits(setup, example, tmp_path):
+    """The exact comparison holds for every tested values file, with volumes of the user's whose defaults the
+    apiserver fills in (a hostPath without type, a configMap without defaultMode): the controller can run."""
+    s = setup
+    cp: ControlPlane = s["cp"]
+    extra = ['extraVolumes=[{"name":"u1","hostPath":{"path":"/x"}},{"name":"u2","configMap":{"name":"y"}}]',
+             'extraVolumeMounts=[{"name":"u1","mountPath":"/u1"},{"name":"u2","mountPath":"/u2"}]']  # fmt: skip
+    values = ["-f", str(EXAMPLES / f"{example}.yaml"), *VALUES]
+    if example == "gke":  # its own hostPath volume (with a type) stays as it is
+        extra = []
+    rel = apply_release(
+        cp, cp.kubeconfig(tmp_path / "kc"), "ex", [*values, *(x for e in extra for x in ("--set-json", e))]
+    )
+    ctl = controller_api(cp, rel)
+    from agent.controller.main import render_job
+
+    template = yaml.safe_load(by_kind(rel.docs, "ConfigMap")[f"{rel.fullname}-controller-job"]["data"]["job.yaml"])
+    jobs = f"/apis/batch/v1/namespaces/{rel.ns}/jobs"
+
+    def probe() -> Any:  # a fresh name each time: one stored before the policy loaded does not collide
+        bad = render_job(template, f"{rel.fullname}-preflight", rel.ns, s["a"], next(ATTEMPTS))
+        bad["spec"]["parallelism"] = 2
+        return ctl.request("POST", jobs, bad)
+
+    assert wait_for(lambda: denied_by_policy(probe, "controller-bounds"), 60)
+    job = render_job(template, f"{rel.fullname}-preflight", rel.ns, s["a"], 1)
+    assert code(lambda: ctl.request("POST", jobs, job)) == (200, ""), example
+    s["admin"].request("DELETE", f"{jobs}/{job['metadata']['name']}", {"propagationPolicy": "Background"})

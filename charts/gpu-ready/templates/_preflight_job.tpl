@@ -105,7 +105,7 @@ spec:
               readOnly: true
       volumes:
         {{- with $v.extraVolumes }}
-        {{- toYaml . | nindent 8 }}
+        {{- include "gpu-ready.preflight.defaultedVolumes" . | nindent 8 }}
         {{- end }}
         - name: profile
           configMap:
@@ -186,4 +186,26 @@ spec:
 {{- else -}}
 {{- toJson . -}}
 {{- end -}}
+{{- end -}}
+
+
+{{- /* extraVolumes as the apiserver stores them (what it defaults, stated, so the controller's policy can compare
+       the Job exactly): hostPath's type "", a configMap's, secret's, projected or downwardAPI volume's
+       defaultMode 420, a downwardAPI fieldRef's apiVersion v1. */ -}}
+{{- define "gpu-ready.preflight.defaultedVolumes" -}}
+{{- $out := list -}}
+{{- range $vol := . -}}
+{{- $v := deepCopy $vol -}}
+{{- if and (hasKey $v "hostPath") (not (hasKey $v.hostPath "type")) }}{{ $_ := set $v.hostPath "type" "" }}{{ end -}}
+{{- range $k := list "configMap" "secret" "projected" "downwardAPI" -}}
+{{- if and (hasKey $v $k) (kindIs "map" (get $v $k)) (not (hasKey (get $v $k) "defaultMode")) }}{{ $_ := set (get $v $k) "defaultMode" 420 }}{{ end -}}
+{{- end -}}
+{{- if hasKey $v "downwardAPI" -}}
+{{- range $it := ($v.downwardAPI.items | default list) -}}
+{{- if and (hasKey $it "fieldRef") (not (hasKey $it.fieldRef "apiVersion")) }}{{ $_ := set $it.fieldRef "apiVersion" "v1" }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- $out = append $out $v -}}
+{{- end -}}
+{{- toYaml $out -}}
 {{- end -}}
