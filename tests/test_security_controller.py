@@ -585,8 +585,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "charts" / "gpu-ready" / "examp
 
 @pytest.mark.parametrize("example", sorted(p.stem for p in EXAMPLES.glob("*.yaml")))
 def test_each_examples_template_job_is_the_one_the_policy_admits(setup, example, tmp_path):
-    """The exact comparison holds for every tested values file, with volumes of the user's whose defaults the
-    apiserver fills in (a hostPath without type, a configMap without defaultMode): the controller can run."""
+    """The exact comparison holds for every tested values file, with volumes and env of the user's whose defaults
+    the apiserver fills in (a hostPath without type, a configMap without defaultMode, a fieldRef without
+    apiVersion): the controller can run."""
     s = setup
     cp: ControlPlane = s["cp"]
     extra = ['extraVolumes=[{"name":"u1","hostPath":{"path":"/x"}},{"name":"u2","configMap":{"name":"y"}}]',
@@ -594,6 +595,7 @@ def test_each_examples_template_job_is_the_one_the_policy_admits(setup, example,
     values = ["-f", str(EXAMPLES / f"{example}.yaml"), *VALUES]
     if example == "gke":  # its own hostPath volume (with a type) stays as it is
         extra = []
+    extra.append('agent.extraEnv=[{"name":"P","valueFrom":{"fieldRef":{"fieldPath":"metadata.name"}}}]')
     rel = apply_release(
         cp, cp.kubeconfig(tmp_path / "kc"), "ex", [*values, *(x for e in extra for x in ("--set-json", e))]
     )
@@ -609,6 +611,6 @@ def test_each_examples_template_job_is_the_one_the_policy_admits(setup, example,
         return ctl.request("POST", jobs, bad)
 
     assert wait_for(lambda: denied_by_policy(probe, "controller-bounds"), 60)
-    job = render_job(template, f"{rel.fullname}-preflight", rel.ns, s["a"], 1)
+    job = render_job(template, f"{rel.fullname}-preflight", rel.ns, s["a"], next(ATTEMPTS))
     assert code(lambda: ctl.request("POST", jobs, job)) == (200, ""), example
     s["admin"].request("DELETE", f"{jobs}/{job['metadata']['name']}", {"propagationPolicy": "Background"})

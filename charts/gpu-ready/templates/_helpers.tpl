@@ -150,7 +150,16 @@ env:
     value: void
   {{- end }}
   {{- with $v.agent.extraEnv }}
-  {{- toYaml . | nindent 2 }}
+  {{- /* a fieldRef's apiVersion stated (the apiserver's default): the controller's policy compares exactly */}}
+  {{- $env := list }}
+  {{- range $e := . }}
+  {{- $e = deepCopy $e }}
+  {{- if and (kindIs "map" $e.valueFrom) (kindIs "map" ($e.valueFrom | default dict).fieldRef) (not (hasKey $e.valueFrom.fieldRef "apiVersion")) }}
+  {{- $_ := set $e.valueFrom.fieldRef "apiVersion" "v1" }}
+  {{- end }}
+  {{- $env = append $env $e }}
+  {{- end }}
+  {{- toYaml $env | nindent 2 }}
   {{- end }}
 securityContext:
   allowPrivilegeEscalation: false
