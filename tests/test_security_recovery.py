@@ -1,14 +1,15 @@
 """Least privilege for per-GPU recovery (recovery.enabled, docs/recovery.md), proven on the real apiserver with the
 chart's own rendered RBAC and admission policies and a token bound to a Pod on node A.
 
-With recovery on (plugin DaemonSet configured, evict on) the token may: list the plugin namespace's pods; delete the plugin DaemonSet's pod on
-node A only; evict only as a dry run (the PodDisruptionBudget check); delete only a pod on node A that holds a GPU (an
-nvidia.com/ extended resource or a DRA claim). Everything else on pods is refused: the plugin's pod on node B, a pod
-in the plugin namespace that the DaemonSet does not own, a GPU pod on node B, a pod on node A holding no GPU, a GPU
-pod in kube-system (recovery.excludeNamespaces; its dry-run eviction too), a delete with a grace period shorter than
-the pod's own, a real eviction (the apiserver's admission sees the Eviction, never the Pod, so it could not be held to
-the node), creating or changing a pod. With evict off the token cannot evict or delete workload pods at all (RBAC);
-with recovery off it has no right on pods (the security matrix of tests/test_security_pods.py)."""
+With recovery on (plugin DaemonSet configured, evict on) the token may: list the plugin namespace's pods; delete the
+plugin DaemonSet's pod on node A only; evict only as a dry run (the PodDisruptionBudget check); delete only a pod on
+node A that holds a GPU (an nvidia.com/ extended resource or a DRA claim). Everything else on pods is refused: the
+plugin's pod on node B, a pod in the plugin namespace that the DaemonSet does not own, a GPU pod on node B, a pod on
+node A holding no GPU, a GPU pod in kube-system (recovery.excludeNamespaces; its dry-run eviction too), a delete with
+a grace period shorter than the pod's own, a real eviction (the apiserver's admission sees the Eviction, never the
+Pod, so it could not be held to the node), creating or changing a pod. With evict off the token cannot evict or delete
+workload pods at all (RBAC); with recovery off it has no right on pods (the security matrix of
+tests/test_security_pods.py)."""
 
 from __future__ import annotations
 
