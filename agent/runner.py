@@ -78,6 +78,10 @@ class Agent:
         self.publisher = Publisher(cfg, self.api, m, clock, self.log, self.rng, self.wake.set)
         self.standing = Standing(cfg, self.state, clock, self.log, self.publisher.record)
         self.own = OwnNode(self.api, cfg, clock, self.log, on_change=self._node_changed)
+        # the brake admits by rule a node its controller does not count (act/brake.py): it needs the Node's labels
+        self.publisher.brake.node_labels = lambda: (
+            dict((self.own.last[0].get("metadata") or {}).get("labels") or {}) if self.own.last else None
+        )
         self.recovery = recovery.build(
             cfg, self.api, self.state, smi=self.suite.smi, kmsg_seq=lambda: self.kmsg.source.last_seq,
             on_event=self.publisher.record, registry=m.registry, log=self.log, wake=self.wake.set,

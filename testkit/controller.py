@@ -6,8 +6,10 @@ so that the session's other Nodes are not in its fleet)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import secrets
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,39 @@ VALUES = [
     "--set",
     "taints.noExecuteOnFatal=true",
 ]
+
+
+JOB_CONTROLLERS = ("job-controller", "garbage-collector-controller", "resourcequota-controller")
+
+
+@contextlib.contextmanager
+def jobs_control_plane() -> Iterator[ControlPlane]:
+    """A control plane of its own with the real Job controller (and the garbage collector, and the quota
+    controller that frees a finished pod's quota): the Jobs the controller's token creates make real pods, so a
+    test sees what an admitted Job would run. The chart's RuntimeClass exists (the Job's pods need it)."""
+    from testkit.cluster import create_runtime_class
+    from testkit.testbin import require_testbin
+
+    cp = ControlPlane(require_testbin("kube-apiserver", "etcd", "kube-controller-manager"))
+    try:
+        cp.start()
+        cp.start_controller_manager(JOB_CONTROLLERS)
+        admin = cp.admin()
+        create_runtime_class(admin)
+        admin.close()
+        yield cp
+    finally:
+        cp.stop()
+
+
+def apply_quotas(admin: KubeApi, rel: Release) -> list[str]:
+    """The release's ResourceQuotas (testkit.chart.apply_release applies RBAC and policies only): the pod and Job
+    quotas that bound preflight. Returns their names."""
+    names = []
+    for name, q in by_kind(rel.docs, "ResourceQuota").items():
+        admin.request("POST", f"/api/v1/namespaces/{rel.ns}/resourcequotas", q)
+        names.append(name)
+    return names
 
 
 def controller_name(rel: Release) -> str:

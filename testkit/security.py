@@ -35,3 +35,13 @@ def client_as(cp: Any, user_agent: str) -> KubeApi:
     api: KubeApi = cp.admin()
     api.user_agent = user_agent
     return api
+
+
+def outcome(fn: Callable[[], Any]) -> tuple[int, str]:
+    """One attempt: (200, "") when the apiserver took it, else (status, who said no: RBAC, "policy <name>", or ""
+    for a refusal by neither, e.g. a quota or validation)."""
+    try:
+        fn()
+    except ApiError as e:
+        return e.status, denied_by(str(e))
+    return 200, ""

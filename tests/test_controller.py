@@ -18,7 +18,6 @@ import pytest
 
 from agent.kube.client import ApiError, KubeApi
 from testkit.chart import Release, apply_release
-from testkit.cluster import create_runtime_class
 from testkit.controller import (
     VALUES,
     RunningController,
@@ -26,12 +25,12 @@ from testkit.controller import (
     gpu_node,
     job_pods,
     job_template,
+    jobs_control_plane,
     jobs_of,
 )
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
 from testkit.security import denied_by_policy
-from testkit.testbin import require_testbin
 
 NEEDS = {"gpu-ready.io/needs-preflight": "true"}
 TIMEOUT = 60.0
@@ -39,16 +38,8 @@ TIMEOUT = 60.0
 
 @pytest.fixture(scope="module")
 def jobs_plane() -> Iterator[ControlPlane]:
-    cp = ControlPlane(require_testbin("kube-apiserver", "etcd", "kube-controller-manager"))
-    try:
-        cp.start()
-        cp.start_controller_manager(("job-controller", "garbage-collector-controller"))
-        admin = cp.admin()
-        create_runtime_class(admin)  # the chart's runtimeClassName: pods of the Job are refused without it
-        admin.close()
+    with jobs_control_plane() as cp:
         yield cp
-    finally:
-        cp.stop()
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +240,38 @@ def test_killed_mid_run_the_standby_takes_the_lease_and_adopts_the_job(admin, re
     assert b.c.m.created._value.get() == 0  # adopted, not recreated
     assert b.c.m.running._value.get() == 1
     print(f"\n[controller] standby took the Lease {took:.1f}s after the holder stopped (lease 6 s)")
+
+
+def test_the_controller_rewrites_a_brake_configmap_someone_else_changed(admin, release, running, fleet):
+    """Deleted, garbled, "everyone admitted", a value near the 1 MiB object limit: each is replaced with what the
+    controller computed (its watch on the one ConfigMap sees the change), never left for the agents to read."""
+    gpu_node(admin, fleet)
+    held = gpu_node(admin, fleet, taints=[{"key": "gpu-ready.io/gpu-not-ready", "effect": "NoSchedule"}])
+    name = f"{release.fullname}-brake"
+    path = f"/api/v1/namespaces/{release.ns}/configmaps/{name}"
+    rc = running(brake=name, max_unavailable="1")
+
+    def data() -> dict[str, str] | None:
+        try:
+            return dict(admin.request("GET", path).get("data") or {})
+        except ApiError as e:
+            assert e.status == 404
+            return None
+
+    assert wait_for(lambda: (data() or {}).get("admitted") == held, TIMEOUT)
+    good = data()
+    assert good is not None and good["selector"] == f"gpu-ready.io/test-fleet={fleet}"
+    everyone = ",".join(n["metadata"]["name"] for n in admin.request("GET", "/api/v1/nodes")["items"])
+    tampers = [
+        ("deleted", lambda: admin.request("DELETE", path)),
+        ("garbled", lambda: admin.request("PUT", path, {"metadata": {"name": name}, "data": {"admitted": "\x00??"}})),
+        ("everyone admitted", lambda: admin.request("PUT", path, {"metadata": {"name": name},
+                                                                  "data": {**good, "admitted": everyone}})),
+        ("a 900 KiB value", lambda: admin.request("PUT", path, {"metadata": {"name": name},
+                                                                "data": {**good, "pad": "x" * 900_000}})),
+    ]  # fmt: skip
+    for what, tamper in tampers:
+        before = rc.c.brake_repairs
+        tamper()
+        assert wait_for(lambda: data() == good, TIMEOUT), (what, data())
+        assert rc.c.brake_repairs >= before + 1, what

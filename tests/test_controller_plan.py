@@ -199,3 +199,74 @@ def test_job_names_fit_and_jobs_are_read_back():
     v = job_view(j)
     assert v is not None and v.failed and not v.active and v.attempt == 1 and v.finished == v.created + 60
     assert job_view({"metadata": {"name": "x"}}) is None  # not the controller's
+
+
+def test_a_node_the_controller_does_not_count_is_admitted_by_rule():
+    cm = {"data": {"engaged": "true", "admitted": "a", "selector": "nvidia.com/gpu.present=true"}}
+    gpu = {"nvidia.com/gpu.present": "true"}
+    assert engaged_for(cm, "b", gpu)  # counted, not admitted: held
+    assert not engaged_for(cm, "b", {})  # outside the selector: the controller never counts it
+    assert not engaged_for(cm, "b", {"nvidia.com/gpu.present": "false"})
+    assert engaged_for(cm, "b", None)  # its labels not read yet: counted
+    assert engaged_for({"data": {**cm["data"], "admitted": "x" * 70000}}, "b", {})  # malformed: fails closed
+    assert engaged_for({"data": {"admitted": "a"}}, "b", {})  # no selector (an older controller): counted
+    assert engaged_for({"data": {"admitted": "a", "selector": "in (x)"}}, "b", {})  # not one it reads: counted
+
+
+@pytest.mark.parametrize(
+    "selector,labels,want",
+    [
+        ("k=v", {"k": "v"}, True),
+        ("k==v", {"k": "w"}, False),
+        ("k!=v", {}, True),
+        ("k", {"k": ""}, True),
+        ("!k", {"k": "x"}, False),
+        ("a=b,c", {"a": "b", "c": "1"}, True),
+        ("a=b,c", {"a": "b"}, False),
+        ("example.com/x=1", {"example.com/x": "1"}, True),
+        ("k in (a)", {}, None),
+        ("", {}, None),
+        ("bad key!=x", {}, None),
+        (7, {}, None),
+    ],
+)
+def test_selector_matches(selector, labels, want):
+    from agent.act.brake import selector_matches
+
+    assert selector_matches(selector, labels) is want
+
+
+def test_the_brake_admits_faults_first_and_a_self_report_weighs_one_node():
+    latched = NodeView("z-latched", held="taint", latched=True, fault=True)
+    fault = NodeView("y-fault", held="taint", fault=True)
+    report = NodeView("a-report", held="condition")  # False with no fault reason of its own (a stolen token's)
+    fleet = [report, fault, latched, *(NodeView(f"n{i}") for i in range(7))]
+    st = brake_state(fleet, 1, previous=("a-report",))
+    assert st.admitted == ("z-latched",) and st.engaged and len(st.unavailable) == 3
+    st = brake_state(fleet, 2, previous=("a-report",))
+    assert st.admitted == ("z-latched", "y-fault")
+    alone = brake_state([report, *(NodeView(f"n{i}") for i in range(9))], 1)
+    assert alone.admitted == ("a-report",) and not alone.engaged  # one node: one slot, never more
+    # an earlier admission of the same rank is kept (no flapping between two faulty nodes)
+    two = [NodeView("a", held="taint", fault=True), NodeView("b", held="taint", fault=True)]
+    assert brake_state(two, 1, previous=("b",)).admitted == ("b",)
+
+
+def test_node_view_reads_a_fault_reason():
+    def node(reason: str) -> dict[str, Any]:
+        return {"metadata": {"name": "n"},
+                "status": {"conditions": [{"type": "GPUReady", "status": "False", "reason": reason}]}}  # fmt: skip
+
+    args = ("needs", "preflight", "gpu-ready.io/gpu-not-ready", "GPUReady", "")
+    assert node_view(node("NvidiaSmiErr"), *args).fault and not node_view(node("NvidiaSmiErr"), *args).latched
+    assert node_view(node("FatalXid"), *args).latched
+    assert not node_view(node("PreflightNotPassed"), *args).fault
+    assert not node_view(node("Anything"), *args).fault
+
+
+def test_the_brakes_fault_reasons_are_the_agents():
+    from agent.controller.plan import FAULT_REASONS
+    from agent.model import FAULT_REASONS as MODEL_FAULTS
+    from agent.model import Reason
+
+    assert {str(r) for r in MODEL_FAULTS if r != Reason.PREFLIGHT_NOT_PASSED} == FAULT_REASONS

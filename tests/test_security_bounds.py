@@ -299,6 +299,22 @@ def admin_cordon(mark: bool) -> Callable[[KubeApi, Env], None]:
     return setup
 
 
+def preflight_cordon(then: tuple[bool | None, ...] = ()) -> Callable[[KubeApi, Env], None]:
+    """What preflight's cordon step writes (cordon and mark, field manager gpu-ready), then the admin's
+    unschedulable writes `then` (None: the field removed, as `kubectl uncordon` does)."""
+
+    def setup(admin: KubeApi, e: Env) -> None:
+        ua, admin.user_agent = admin.user_agent, "gpu-ready/test"
+        try:
+            admin.patch_node(e.a, {"spec": {"unschedulable": True}, "metadata": {"annotations": {MARK: "true"}}})
+        finally:
+            admin.user_agent = ua
+        for value in then:
+            admin.request("PATCH", f"/api/v1/nodes/{e.a}", {"spec": {"unschedulable": value}}, MERGE_PATCH)
+
+    return setup
+
+
 def legacy_rule(admin: KubeApi, e: Env) -> None:
     """A rule as earlier gpu-ready versions named it (gpu-ready.<node>.<device>)."""
     body = rule(f"gpu-ready.{e.a}.gpu-3", e.a)
@@ -719,7 +735,17 @@ ATTEMPTS: list[Attempt] = [
         ),
         both(200),
         lambda admin, e: not admin.get_node(e.a)["spec"].get("unschedulable"),
-        setup=admin_cordon(True),
+        setup=preflight_cordon(),
+    ),
+    Attempt(
+        8,
+        PF,
+        f"uncordon with the mark {MARK}=true its failed run left, after an admin's uncordon and later cordon",
+        lambda e: node_patch(
+            e, "", {"spec": {"unschedulable": False}, "metadata": {"annotations": {MARK: None}}}, MERGE_PATCH
+        ),
+        both(403),
+        setup=preflight_cordon((None, True)),
     ),
     # ---- 9. NoExecute only when enabled ----------------------------------------------------------------------------
     Attempt(

@@ -5,9 +5,11 @@ With recovery on (plugin DaemonSet configured, evict on) the token may: list the
 plugin DaemonSet's pod on node A only; evict only as a dry run (the PodDisruptionBudget check); delete only a pod on
 node A that holds a GPU (an nvidia.com/ extended resource or a DRA claim). Everything else on pods is refused: the
 plugin's pod on node B, a pod in the plugin namespace that the DaemonSet does not own, a GPU pod on node B, a pod on
-node A holding no GPU, a real eviction (the apiserver's admission sees the Eviction, never the Pod, so it could not
-be held to the node), creating or changing a pod. With evict off the token cannot evict or delete workload pods at
-all (RBAC); with recovery off it has no right on pods (the security matrix of tests/test_security_pods.py)."""
+node A holding no GPU, a GPU pod in kube-system (recovery.excludeNamespaces; its dry-run eviction too), a delete with
+a grace period shorter than the pod's own, a real eviction (the apiserver's admission sees the Eviction, never the
+Pod, so it could not be held to the node), creating or changing a pod. With evict off the token cannot evict or delete
+workload pods at all (RBAC); with recovery off it has no right on pods (the security matrix of
+tests/test_security_pods.py)."""
 
 from __future__ import annotations
 
@@ -62,9 +64,10 @@ def values(plugin_ns: str, evict: bool) -> list[str]:
 
 def make_pod(admin: KubeApi, e: Env, kind: str, node: str) -> tuple[str, str]:
     """A pod of `kind` on `node`: plugin (owned by the DaemonSet), stray (in the plugin namespace, no owner),
-    gpu (limits nvidia.com/gpu), dra (a resource claim), plain (no GPU). Returns (namespace, name)."""
+    gpu (limits nvidia.com/gpu; gpu-system: the same in kube-system), dra (a resource claim), plain (no GPU).
+    Returns (namespace, name)."""
     name = f"{kind}-{secrets.token_hex(3)}"
-    ns = e.plugin_ns if kind in ("plugin", "stray") else e.ns
+    ns = e.plugin_ns if kind in ("plugin", "stray") else "kube-system" if kind == "gpu-system" else e.ns
     meta: dict[str, Any] = {"name": name}
     container: dict[str, Any] = {"name": "main", "image": "x"}
     spec: dict[str, Any] = {"nodeName": node, "containers": [container]}
@@ -72,7 +75,7 @@ def make_pod(admin: KubeApi, e: Env, kind: str, node: str) -> tuple[str, str]:
         meta["ownerReferences"] = [
             {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": DS, "uid": e.ds_uid, "controller": True}
         ]
-    if kind == "gpu":
+    if kind in ("gpu", "gpu-system"):
         container["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
     if kind == "dra":
         spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "gpu-claim"}]
@@ -86,7 +89,7 @@ class Attempt:
     what: str
     kind: str  # the pod it is made on (make_pod)
     on: str  # "a" or "b": the node of that pod
-    op: str  # "delete", "evict", "dry-run evict", "list", "patch", "create"
+    op: str  # "delete", "delete grace 0", "evict", "dry-run evict", "list", "patch", "create"
     expect: int
     by: str = ""
 
@@ -96,6 +99,8 @@ def do(api: KubeApi, e: Env, a: Attempt, ns: str, name: str) -> None:
     ev = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": ns}}
     if a.op == "delete":
         api.request("DELETE", pod)
+    elif a.op == "delete grace 0":
+        api.request("DELETE", pod, {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
     elif a.op == "evict":
         api.request("POST", pod + "/eviction", ev)
     elif a.op == "dry-run evict":
@@ -125,6 +130,13 @@ FULL: list[Attempt] = [
     Attempt("delete a GPU pod on another node", "gpu", "b", "delete", 403, POLICY),
     Attempt("delete a DRA pod on another node", "dra", "b", "delete", 403, POLICY),
     Attempt("delete a pod holding no GPU on its node", "plain", "a", "delete", 403, POLICY),
+    Attempt(
+        "delete a GPU pod in kube-system on its node (excludeNamespaces)", "gpu-system", "a", "delete", 403, POLICY
+    ),
+    Attempt(
+        "dry-run evict a GPU pod in kube-system (excludeNamespaces)", "gpu-system", "a", "dry-run evict", 403, POLICY
+    ),
+    Attempt("delete a GPU pod on its node with grace 0 (its own: 30 s)", "gpu", "a", "delete grace 0", 403, POLICY),
     Attempt("list pods in a workload namespace", "gpu", "a", "list", 403, "RBAC"),
     Attempt("patch a GPU pod on its node", "gpu", "a", "patch", 403, "RBAC"),
     Attempt("create a pod in the plugin namespace", "plugin", "a", "create", 403, "RBAC"),

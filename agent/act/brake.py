@@ -13,7 +13,12 @@ NoExecute.
 - present: engaged for this node unless the node is in `admitted`. A node's first NoExecute thus waits for the
   controller to see its fault and admit it (one round trip through two watches), which is what keeps
   five nodes failing in the same second from evicting more than the budget allows;
-- a malformed ConfigMap (no `admitted`, an oversized value) is read as engaged: the brake fails closed."""
+- a malformed ConfigMap (no `admitted`, an oversized value) is read as engaged: the brake fails closed;
+- a node the controller does not count is admitted by rule: the ConfigMap's `selector` (the controller's GPU
+  node selector) does not match the node's labels as the agent last read its Node. The controller never counts
+  such a node, so it could never admit it; holding it would hold its evictions and resets forever. Until the
+  agent has read its Node, or when the selector is missing or not one this reads (only `key`, `!key`,
+  `key=value`, `key==value`, `key!=value`, comma-separated), the node counts (held unless admitted)."""
 
 from __future__ import annotations
 
@@ -40,12 +45,49 @@ def admitted_nodes(obj: dict[str, Any] | None) -> frozenset[str] | None:
     return frozenset(n for n in (x.strip() for x in raw.split(",")) if n)
 
 
-def engaged_for(obj: dict[str, Any] | None, node: str) -> bool:
-    """Pure: whether the brake (the ConfigMap as last seen, None: absent) holds `node` from a disruptive action."""
+_SEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+MAX_SELECTOR_BYTES = 1024
+
+
+def selector_matches(selector: Any, labels: dict[str, str]) -> bool | None:
+    """Pure: whether an equality-based label selector matches `labels`; None when it is not one this reads."""
+    if not isinstance(selector, str) or not selector.strip() or len(selector) > MAX_SELECTOR_BYTES:
+        return None
+    for term in (t.strip() for t in selector.split(",")):
+        for op in ("!=", "==", "="):
+            if op in term:
+                key, _, value = (x.strip() for x in term.partition(op))
+                if not _SEL_KEY.match(key):
+                    return None
+                if (labels.get(key) == value) != (op != "!="):
+                    return False
+                break
+        else:
+            neg = term.startswith("!")
+            key = term[1:].strip() if neg else term
+            if not _SEL_KEY.match(key):
+                return None
+            if (key in labels) == neg:
+                return False
+    return True
+
+
+def engaged_for(obj: dict[str, Any] | None, node: str, labels: dict[str, str] | None = None) -> bool:
+    """Pure: whether the brake (the ConfigMap as last seen, None: absent) holds `node` from a disruptive action.
+    `labels`: the node's labels as last read (None: not read yet); a node the ConfigMap's selector does not match
+    is not counted by the controller and is admitted by rule."""
     if obj is None:
         return False
     admitted = admitted_nodes(obj)
-    return admitted is None or node not in admitted
+    if admitted is None:
+        return True  # malformed: fails closed, whatever else it says
+    if node in admitted:
+        return False
+    data: dict[str, Any] = obj.get("data") or {}  # a dict: admitted_nodes read it
+    # a node the selector does not match is not one of the controller's GPU nodes: it never counts or admits it
+    return labels is None or selector_matches(data.get("selector"), labels) is not False
 
 
 def fleet_engaged(obj: dict[str, Any] | None) -> bool:
@@ -66,6 +108,8 @@ class Brake:
         watch_timeout_s: float = 600.0,
     ) -> None:
         self.node = node
+        # The own Node's labels as last read (the runner sets it from its Node watch); None: not known yet.
+        self.node_labels: Callable[[], dict[str, str] | None] = lambda: None
         self.watch: ObjectWatch | None = None
         if api is not None and namespace and name:
             self.watch = ObjectWatch(
@@ -90,7 +134,7 @@ class Brake:
         brake is not known: held (fails closed)."""
         if self.watch is None:
             return False
-        return not self.watch.known or engaged_for(self.watch.get(), self.node)
+        return not self.watch.known or engaged_for(self.watch.get(), self.node, self.node_labels())
 
     def fleet_engaged(self) -> bool:
         return self.watch is not None and fleet_engaged(self.watch.get())

@@ -14,6 +14,7 @@ import argparse
 import copy
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -45,6 +46,7 @@ from agent.controller.plan import (
     plan_preflight,
 )
 from agent.kube.client import ApiError, KubeApi, connect
+from agent.kube.object_watch import ObjectWatch
 from agent.logs import get_logger, setup_logging
 
 REPORTING_CONTROLLER = "gpu-ready-controller"
@@ -82,16 +84,72 @@ class ControllerMetrics:
         )
 
 
+MAX_TEMPLATE_DEPTH = 64  # the chart's Job nests about 12 levels
+
+
+def _depth(obj: Any) -> int:
+    """How deep a loaded document nests (iteratively: a hostile one cannot exhaust the stack here)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_TEMPLATE_DEPTH:
+            break
+        if isinstance(o, dict):
+            stack.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, list):
+            stack.extend((v, d + 1) for v in o)
+    return deepest
+
+
 def load_template(path: str) -> dict[str, Any]:
-    """The chart's preflight Job (rendered into the controller's ConfigMap and mounted as a file)."""
-    with open(path, "rb") as f:
-        raw = f.read(MAX_TEMPLATE_BYTES + 1)
+    """The chart's preflight Job (rendered into the controller's ConfigMap and mounted as a file): a regular file
+    (a FIFO or a device would block the read), at most MAX_TEMPLATE_BYTES, nesting at most MAX_TEMPLATE_DEPTH, a
+    batch/v1 Job with a pod spec and at least one container. Anything else is a ValueError of one line."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        raw = os.read(fd, MAX_TEMPLATE_BYTES + 1)
+    finally:
+        os.close(fd)
     if len(raw) > MAX_TEMPLATE_BYTES:
         raise ValueError(f"{path}: more than {MAX_TEMPLATE_BYTES} bytes")
-    job = yaml.safe_load(raw)
+    if raw.count(b"[") + raw.count(b"{") > 4 * MAX_TEMPLATE_DEPTH and _flow_depth(raw) > MAX_TEMPLATE_DEPTH:
+        raise ValueError(f"{path}: nests deeper than {MAX_TEMPLATE_DEPTH} levels")
+    try:
+        job = yaml.safe_load(raw)
+    except RecursionError:
+        raise ValueError(f"{path}: nests deeper than {MAX_TEMPLATE_DEPTH} levels") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not YAML: {str(e).splitlines()[0][:200]}") from None
+    if _depth(job) > MAX_TEMPLATE_DEPTH:
+        raise ValueError(f"{path}: nests deeper than {MAX_TEMPLATE_DEPTH} levels")
     if not isinstance(job, dict) or job.get("kind") != "Job" or not isinstance(job.get("spec"), dict):
         raise ValueError(f"{path}: not a batch/v1 Job")
+    template = job["spec"].get("template")
+    pod = template.get("spec") if isinstance(template, dict) else None
+    if not isinstance(pod, dict) or not isinstance(pod.get("containers"), list) or not pod["containers"]:
+        raise ValueError(f"{path}: the Job has no pod spec with containers (spec.template.spec.containers)")
+    if not all(isinstance(c, dict) for c in pod["containers"]):
+        raise ValueError(f"{path}: spec.template.spec.containers must be a list of containers")
     return job
+
+
+def _flow_depth(raw: bytes) -> int:
+    """The deepest nesting of flow brackets ([ and {), quoted text included: an upper bound, read in one pass
+    before the YAML parser (whose composer recurses once per level) sees the document."""
+    depth = deepest = 0
+    for b in raw:
+        if b in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif b in (0x5D, 0x7D) and depth:
+            depth -= 1
+    return deepest
 
 
 def render_job(template: dict[str, Any], prefix: str, namespace: str, node: str, attempt: int) -> dict[str, Any]:
@@ -139,6 +197,16 @@ class Controller:
             self.wake.set,
             a.watch_timeout,
         )
+        # The brake ConfigMap as the apiserver has it (one watch, by name): a copy someone else changed (deleted,
+        # garbled, "everyone admitted", oversized) is rewritten with what this controller computed.
+        self.brake_watch: ObjectWatch | None = (
+            ObjectWatch(self.api, ns, a.brake, on_change=lambda _o: self.wake.set(), watch_timeout_s=a.watch_timeout)
+            if a.brake
+            else None
+        )
+        self.brake_versions: list[str] = []  # resourceVersions of this process's own brake writes (the newest few)
+        self.brake_repairs = 0
+        self.brake_blind_at = -1e9  # when a brake rewrite last went out while its watch was failing (mono)
         self.created: dict[str, tuple[str, int, float]] = {}  # Job name -> (node, attempt, mono): not yet seen
         self.brake_data: dict[str, str] | None = None  # what the ConfigMap holds, as last written or read
         self.brake: BrakeState | None = None
@@ -186,6 +254,8 @@ class Controller:
             self.started = True
             self.nodes.start()
             self.jobs.start()
+            if self.brake_watch is not None:
+                self.brake_watch.start()
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -194,6 +264,8 @@ class Controller:
         if self.started:
             self.nodes.stop()
             self.jobs.stop()
+            if self.brake_watch is not None:
+                self.brake_watch.stop()
 
     # -- one round ----------------------------------------------------------------------------------------
 
@@ -243,7 +315,10 @@ class Controller:
         self.m.brake.set(1 if st.engaged else 0)
         self.m.unavailable.set(len(st.unavailable))
         self.m.budget.set(st.budget)
-        data = st.data()
+        data = {**st.data(), "selector": self.args.gpu_selector}
+        tampered = self._brake_tampered()
+        if tampered:
+            self.brake_data = None  # write what was computed, now
         # What the agents act on (engaged, admitted) is written at once; the counts alone (for people and alerts)
         # at most once per resync, so a storm of Node changes is not a storm of ConfigMap writes and of watch
         # events to every agent.
@@ -253,10 +328,12 @@ class Controller:
         decisive = (old.get("engaged"), old.get("admitted")) != (data["engaged"], data["admitted"])
         since = time.monotonic() - self.brake_written_at
         self.brake_due = None
-        if data != self.brake_data and ((decisive and since >= BRAKE_BATCH_S) or since >= self.args.resync):
+        if data != self.brake_data and (
+            ((decisive or tampered) and since >= BRAKE_BATCH_S) or since >= self.args.resync
+        ):
             self._write_brake(data)
             self.brake_written_at = time.monotonic()
-        elif decisive:
+        elif decisive or tampered:
             self.brake_due = self.brake_written_at + BRAKE_BATCH_S
         if st.engaged != was:
             what = "engaged" if st.engaged else "released"
@@ -271,6 +348,29 @@ class Controller:
             )  # fmt: skip
         return st.engaged
 
+    def _brake_tampered(self) -> bool:
+        """Whether the brake ConfigMap, as the watch last saw it, is not this controller's: absent, or a version
+        it did not write whose data differs from what it wrote."""
+        w = self.brake_watch
+        if w is None or not w.known or self.brake_data is None:
+            return False
+        obj = w.get()
+        if not w.live:
+            # the watch fails (e.g. a copy over the watch's event limit: someone padded it); rewrite it, at most
+            # once per resync, which also makes a watch possible again
+            bad = time.monotonic() - self.brake_blind_at >= self.args.resync
+            if bad:
+                self.brake_blind_at = time.monotonic()
+        elif obj is None:
+            bad = True
+        else:
+            rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+            bad = rv not in self.brake_versions and obj.get("data") != self.brake_data
+        if bad:
+            self.brake_repairs += 1
+            self.log.warning("the brake ConfigMap was changed by someone else: rewriting it", name=self.args.brake)
+        return bad
+
     def _cm_path(self, name: str | None = None) -> str:
         base = f"/api/v1/namespaces/{quote(self.args.namespace)}/configmaps"
         return f"{base}/{quote(name)}" if name else base
@@ -282,6 +382,7 @@ class Controller:
         except ApiError:
             return ()
         self.brake_data = cm.get("data") or {}
+        self._own_version(cm)
         raw = (cm.get("data") or {}).get("admitted") or ""
         return tuple(n for n in raw.split(",") if n)
 
@@ -294,12 +395,18 @@ class Controller:
             "data": data,
         }  # fmt: skip
         try:
-            self.api.request("PUT", self._cm_path(self.args.brake), body)
+            out = self.api.request("PUT", self._cm_path(self.args.brake), body)
         except ApiError as e:
             if e.status != 404:
                 raise
-            self.api.request("POST", self._cm_path(), body)
+            out = self.api.request("POST", self._cm_path(), body)
         self.brake_data = data
+        self._own_version(out)
+
+    def _own_version(self, obj: Any) -> None:
+        rv = str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "") if isinstance(obj, dict) else ""
+        if rv:
+            self.brake_versions = [*self.brake_versions[-7:], rv]
 
     def _create(self, node: str, attempt: int) -> None:
         job = render_job(self.template, self.args.job_prefix, self.args.namespace, node, attempt)
@@ -398,6 +505,12 @@ def check_args(a: argparse.Namespace) -> str | None:
         max_unavailable(a.max_unavailable, 100)
     except ValueError as e:
         return str(e)
+    from agent.settings import host_port
+
+    try:
+        host_port(a.metrics_address)
+    except ValueError as e:
+        return f"--metrics-address: {e}"
     return None
 
 
@@ -413,17 +526,21 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         c = Controller(args)
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        print(f"gpu-ready controller: {str(e)[:300]}", file=sys.stderr)
+    except (OSError, ValueError, yaml.YAMLError, RecursionError) as e:
+        print(f"gpu-ready controller: {(str(e) or type(e).__name__).splitlines()[0][:300]}", file=sys.stderr)
         return 2
     except ConfigError as e:
         print(f"gpu-ready controller: {e}", file=sys.stderr)
         return 2
-    server = HealthServer(
-        args.metrics_address, c.m.registry, lambda: (True, "ok"),
-        lambda: (True, "leading" if c.elector.leading else "standby"),
-    )  # fmt: skip
-    server.start()
+    try:
+        server = HealthServer(
+            args.metrics_address, c.m.registry, lambda: (True, "ok"),
+            lambda: (True, "leading" if c.elector.leading else "standby"),
+        ).start()  # fmt: skip
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or e
+        print(f"gpu-ready controller: cannot serve --metrics-address {args.metrics_address}: {why}", file=sys.stderr)
+        return 2
     stop = on_stop_signals(lambda name: c.log.info("stopping", signal=name))
     t = threading.Thread(target=c.run, name="controller", daemon=True)
     t.start()

@@ -25,6 +25,12 @@ CORDONED_BY = "gpu-ready.io/preflight-cordoned"
 # verdict's LATCHED_REASONS; a test holds the two equal). Preflight on such a node would only test a GPU known to
 # be broken: the run waits for the remedy, and a pass then cannot remove the mark while the fault still stands.
 LATCHED_REASONS = frozenset({"FatalXid", "GPURecoveryFailed", "GPUResetRefused"})
+# The reasons of a GPU fault the agent found (model.FAULT_REASONS but PreflightNotPassed, which is no fault of the
+# GPU): a node held for one of these is admitted to a disruptive action before a node held for anything else.
+FAULT_REASONS = frozenset(
+    {"GPURecoveryFailed", "GPUResetRefused", "FatalXid", "NvidiaSmiFailed", "NvmlHealth", "NvidiaSmiErr",
+     "GPUCountMismatch", "DevicePluginUnhealthy", "MigConfigFailed", "FabricNotReady", "GPUDegraded"}
+)  # fmt: skip
 _PERCENT = re.compile(r"^(\d{1,3})%$")
 
 
@@ -37,6 +43,7 @@ class NodeView:
     held: str = ""  # why gpu-ready holds it out of service ("": it does not): taint, cordon or condition
     schedulable: bool = True
     latched: bool = False  # its condition reports a fault still latched (FatalXid, GPURecoveryFailed)
+    fault: bool = False  # its condition reports a GPU fault (a reason of the agent's own; not PreflightNotPassed)
 
 
 def node_view(
@@ -65,6 +72,9 @@ def node_view(
         schedulable=not unschedulable,
         latched=any(
             c.get("type") == ctype and c.get("status") == "False" and c.get("reason") in LATCHED_REASONS for c in conds
+        ),
+        fault=any(
+            c.get("type") == ctype and c.get("status") == "False" and c.get("reason") in FAULT_REASONS for c in conds
         ),
     )
 
@@ -104,19 +114,26 @@ class BrakeState:
         }
 
 
+def admission_rank(v: NodeView) -> int:
+    """Which held nodes the brake admits first: 0 a latched fault (what the disruptive actions are for), 1 another
+    GPU fault the condition reports, 2 anything else (gpu-ready's taint or preflight's cordon alone, a condition
+    False with no fault reason). A node's own report is one node's weight: it takes at most its own slot, and a
+    report without a fault never keeps a slot from a node with one."""
+    return 0 if v.latched else 1 if v.fault else 2
+
+
 def brake_state(nodes: Iterable[NodeView], spec: str | int, previous: Iterable[str] = ()) -> BrakeState:
-    """The held nodes in name order; the admitted ones: those admitted before and still held, then the others
-    in name order, until the budget is spent."""
+    """The held nodes in name order; the admitted ones, at most the budget: by admission_rank, and within a rank
+    those admitted before first (an admission is not taken back from a node of the same rank), then by name."""
     views = list(nodes)
-    held = sorted(v.name for v in views if v.held)
+    held_views = sorted((v for v in views if v.held), key=lambda v: v.name)
+    held = [v.name for v in held_views]
     budget = max_unavailable(spec, len(views))
-    held_set = set(held)
-    admitted = [n for n in previous if n in held_set][:budget]
-    for n in held:
-        if len(admitted) >= budget:
-            break
-        if n not in admitted:
-            admitted.append(n)
+    before = {n: i for i, n in enumerate(previous)}
+    order = sorted(
+        held_views, key=lambda v: (admission_rank(v), 0 if v.name in before else 1, before.get(v.name, 0), v.name)
+    )
+    admitted = [v.name for v in order[:budget]]
     return BrakeState(len(views), tuple(held), budget, tuple(admitted))
 
 

@@ -38,8 +38,25 @@ def cordon_for_preflight(api: KubeApi, node: str) -> bool:
     return True
 
 
+FIELD_MANAGER = "gpu-ready"  # the field manager the apiserver records for preflight's writes (its User-Agent)
+
+
 def cordoned_by_preflight(node_obj: dict[str, Any]) -> bool:
-    return ((node_obj.get("metadata") or {}).get("annotations") or {}).get(CORDONED_BY) == "true"
+    """Whether the node's cordon is preflight's own: the mark is set and spec.unschedulable is still owned by
+    preflight's field manager alone. An admin's uncordon, or a cordon of theirs since, makes the field theirs, so a
+    mark left behind by a failed run never lets preflight lift an admin's cordon (the admission policy holds the
+    preflight token to the same rule)."""
+    meta = node_obj.get("metadata") or {}
+    if (meta.get("annotations") or {}).get(CORDONED_BY) != "true":
+        return False
+    owners = {
+        str(m.get("manager") or "")
+        for m in meta.get("managedFields") or []
+        if isinstance(m, dict)
+        and not m.get("subresource")
+        and "f:unschedulable" in ((m.get("fieldsV1") or {}).get("f:spec") or {})
+    }
+    return owners == {FIELD_MANAGER}
 
 
 def record_on_node(
@@ -63,6 +80,9 @@ def record_on_node(
         meta["labels"][needs_label] = None
     if ok and cordoned_by_us:
         patch["spec"] = {"unschedulable": False}
+    if not cordoned_by_us:
+        meta["annotations"][CORDONED_BY] = None  # a mark left from an earlier run is stale: the cordon is not ours
+    if ok and cordoned_by_us:
         meta["annotations"][CORDONED_BY] = None
     if not ok:
         patch["spec"] = {"unschedulable": True}  # keep it cordoned, or cordon it

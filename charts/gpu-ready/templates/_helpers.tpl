@@ -138,6 +138,7 @@ env:
   - name: NODE_NAME
     valueFrom:
       fieldRef:
+        apiVersion: v1
         fieldPath: spec.nodeName
   {{- if eq .step "gates" }}
   - name: NVIDIA_VISIBLE_DEVICES
@@ -149,7 +150,16 @@ env:
     value: void
   {{- end }}
   {{- with $v.agent.extraEnv }}
-  {{- toYaml . | nindent 2 }}
+  {{- /* a fieldRef's apiVersion stated (the apiserver's default): the controller's policy compares exactly */}}
+  {{- $env := list }}
+  {{- range $e := . }}
+  {{- $e = deepCopy $e }}
+  {{- if and (kindIs "map" $e.valueFrom) (kindIs "map" ($e.valueFrom | default dict).fieldRef) (not (hasKey $e.valueFrom.fieldRef "apiVersion")) }}
+  {{- $_ := set $e.valueFrom.fieldRef "apiVersion" "v1" }}
+  {{- end }}
+  {{- $env = append $env $e }}
+  {{- end }}
+  {{- toYaml $env | nindent 2 }}
   {{- end }}
 securityContext:
   allowPrivilegeEscalation: false
@@ -158,6 +168,9 @@ securityContext:
   runAsUser: 65532
   capabilities:
     drop: ["ALL"]
+terminationMessagePath: /dev/termination-log
+terminationMessagePolicy: File
+resources: {}
 volumeMounts:
   - name: profile
     mountPath: /etc/gpu-ready-preflight
@@ -237,7 +250,36 @@ volumeMounts:
 {{- fail (printf "%s %s is under a prefix reserved for Kubernetes (kubernetes.io, k8s.io): the admission policy would let gpu-ready's token change it" $what $name) }}
 {{- end }}
 {{- end }}
+{{- /* Names other components own (docs/deployment.md "Names gpu-ready refuses", with sources): the admission
+       policies exempt gpu-ready's names for its tokens, so one of these would hand another component's state to
+       them. Node Problem Detector's condition types (its config/*.json: kernel-monitor, docker-monitor,
+       systemd-monitor, health-checker-*); Karpenter's (karpenter.sh/, karpenter.k8s.aws/) and Cilium's
+       (node.cilium.io/) taints and labels; the GPU Operator's and GPU feature discovery's labels (nvidia.com/gpu.*,
+       nvidia.com/mig.*, nvidia.com/cuda.*, nvidia.com/gfd.*, nvidia.com/vgpu.*); the clouds' node labels. */}}
+{{- $npd := list "KernelDeadlock" "ReadonlyFilesystem" "CorruptDockerOverlay2" "FrequentKubeletRestart" "FrequentDockerRestart" "FrequentContainerdRestart" "FrequentUnregisterNetDevice" "KubeletUnhealthy" "ContainerRuntimeUnhealthy" }}
+{{- if has .Values.conditionType $npd }}
+{{- fail (printf "conditionType %s is Node Problem Detector's condition: the admission policy would let gpu-ready's token change it" .Values.conditionType) }}
+{{- end }}
+{{- $others := `^(karpenter\.sh|karpenter\.k8s\.aws|node\.cilium\.io|eks\.amazonaws\.com|cloud\.google\.com|kubernetes\.azure\.com)/|^nvidia\.com/(gpu|mig|cuda|gfd|vgpu)\.` }}
+{{- range $c := list (list "conditionType" $.Values.conditionType) (list "taints.key" $.Values.taints.key) (list "config.preflightLabel" (toString $.Values.config.preflightLabel)) (list "preflight.needsLabel" $.Values.preflight.needsLabel) }}
+{{- if regexMatch $others (index $c 1) }}
+{{- fail (printf "%s %s is another component's name (Karpenter, Cilium, the GPU Operator, a cloud provider): the admission policy would let gpu-ready's token change it" (index $c 0) (index $c 1)) }}
+{{- end }}
+{{- end }}
+{{- with .Values.recovery }}
+{{- if and .enabled .evict (not $.Values.nodeRestriction.enabled) }}
+{{- fail "recovery.evict needs nodeRestriction.enabled: without the admission policy the agent's token could delete any pod in the cluster" }}
+{{- end }}
+{{- $dp := .devicePlugin | default dict }}
+{{- if and .enabled $dp.daemonSet (not (regexMatch `(nvidia|gpu|device-plugin)` $dp.daemonSet)) }}
+{{- fail (printf "recovery.devicePlugin.daemonSet %s is not a GPU device plugin (its name has none of nvidia, gpu, device-plugin): the agent's token could delete that DaemonSet's pod on its node" $dp.daemonSet) }}
+{{- end }}
+{{- end }}
 {{- if eq (toString .Values.config.preflightLabel) .Values.preflight.needsLabel }}
 {{- fail (printf "config.preflightLabel and preflight.needsLabel are both %s: they must differ" .Values.preflight.needsLabel) }}
 {{- end }}
 {{- end -}}
+
+{{- /* The label that makes a Node one of the chart's GPU nodes (the controller's --gpu-selector, the DaemonSet's
+       affinity): the controller's Jobs and preflight's cordon are held to Nodes carrying it set to "true". */ -}}
+{{- define "gpu-ready.gpuLabelKey" -}}nvidia.com/gpu.present{{- end -}}

@@ -17,6 +17,14 @@ spec:
   backoffLimit: 0
   activeDeadlineSeconds: 7200
   ttlSecondsAfterFinished: 86400
+  # What the apiserver would default, stated: the controller's admission policy compares the Job it creates with
+  # this rendering exactly, as the apiserver has it after defaulting (controller-policy.yaml).
+  completions: 1
+  parallelism: 1
+  completionMode: NonIndexed
+  suspend: false
+  manualSelector: false
+  podReplacementPolicy: TerminatingOrFailed
   template:
     metadata:
       labels:
@@ -24,7 +32,13 @@ spec:
         app.kubernetes.io/component: preflight
     spec:
       restartPolicy: Never
+      # The pod's own deadline puts its pods in the Terminating quota scope: the ResourceQuota of
+      # templates/resourcequota.yaml counts running preflight pods (no other pod of the chart has one).
+      activeDeadlineSeconds: 7200
+      terminationGracePeriodSeconds: 30
+      schedulerName: default-scheduler
       serviceAccountName: {{ $name }}
+      serviceAccount: {{ $name }}
       # No token in the pod by default: only the cordon and record steps mount one (volume api-token).
       automountServiceAccountToken: false
       # Never shareProcessNamespace: the gates container could then read the token through /proc/<pid>/root.
@@ -33,6 +47,8 @@ spec:
       {{- if $v.hostNetwork }}
       hostNetwork: true
       dnsPolicy: ClusterFirstWithHostNet
+      {{- else }}
+      dnsPolicy: ClusterFirst
       {{- end }}
       {{- with $v.runtimeClassName }}
       runtimeClassName: {{ . }}
@@ -89,11 +105,12 @@ spec:
               readOnly: true
       volumes:
         {{- with $v.extraVolumes }}
-        {{- toYaml . | nindent 8 }}
+        {{- include "gpu-ready.preflight.defaultedVolumes" . | nindent 8 }}
         {{- end }}
         - name: profile
           configMap:
             name: {{ $name }}-profile
+            defaultMode: 420
         - name: tmp
           emptyDir: {}
         - name: results
@@ -101,6 +118,7 @@ spec:
             sizeLimit: 1Mi
         - name: api-token
           projected:
+            defaultMode: 420
             sources:
               - serviceAccountToken:
                   path: token
@@ -114,69 +132,80 @@ spec:
                   items:
                     - path: namespace
                       fieldRef:
+                        apiVersion: v1
                         fieldPath: metadata.namespace
 {{- end -}}
 
-{{- /* The preflight Job's signature: what the controller's admission policy compares a Job it creates with
-       (controller-policy.yaml). One string per init container, container and volume, and one for the pod and
-       the Job, from the same rendering the controller's ConfigMap holds; the policy's CEL builds the same strings
-       from the Job sent. Renders YAML: {init: [...], main: [...], volumes: [...], pod: "...", job: "..."}. */ -}}
-{{- define "gpu-ready.preflight.signature" -}}
-{{- $job := fromYaml (include "gpu-ready.preflight.job" (dict "root" . "nodeName" "gpu-ready-controller-pins-this")) -}}
-{{- $spec := $job.spec.template.spec -}}
-{{- $out := dict "init" list "main" list "volumes" list -}}
-{{- range $kind := list "init" "main" -}}
-{{- $cs := ternary $spec.initContainers $spec.containers (eq $kind "init") -}}
-{{- $sigs := list -}}
-{{- range $c := $cs -}}
-{{- $env := list -}}
-{{- range $e := (default list $c.env) -}}
-{{- $val := toString (default "" $e.value) -}}
-{{- if $e.valueFrom }}{{ $val = ternary (printf "field:%s" (($e.valueFrom.fieldRef | default dict).fieldPath | default "")) "from" (hasKey $e.valueFrom "fieldRef") }}{{ end -}}
-{{- $env = append $env (printf "%s=%s" $e.name $val) -}}
+
+{{- /* The preflight Job as the controller's admission policy expects it: a CEL literal of the whole Job spec, as the
+       apiserver has it after defaulting (the template states every default, so the rendering is that shape), with
+       what the apiserver adds at create (the selector and the pod labels naming the Job, from the object's uid
+       and name), the node (variables.node) and the pod template's metadata (checked apart, in the policy). The
+       policy compares it with `==` on the object: one whole-object comparison, no field joined into a string, so
+       a field the template does not set (a priority class, a sidecar, a sysctl...) is a difference like any
+       other. */ -}}
+{{- define "gpu-ready.preflight.expectedSpec" -}}
+{{- $job := fromYaml (include "gpu-ready.preflight.job" (dict "root" . "nodeName" "__GPU_READY_NODE__")) -}}
+{{- $spec := $job.spec -}}
+{{- $_ := set $spec "selector" (dict "matchLabels" (dict "batch.kubernetes.io/controller-uid" "__GPU_READY_UID__")) -}}
+{{- $_ := set $spec.template "metadata" "__GPU_READY_TEMPLATE_METADATA__" -}}
+{{- include "gpu-ready.cel.literal" $spec | replace "\"__GPU_READY_NODE__\"" "variables.node" | replace "\"__GPU_READY_UID__\"" "object.metadata.uid" | replace "\"__GPU_READY_TEMPLATE_METADATA__\"" "object.spec.template.metadata" -}}
 {{- end -}}
-{{- $mounts := list -}}
-{{- range $m := (default list $c.volumeMounts) -}}
-{{- $mounts = append $mounts (printf "%s:%s:%s" $m.name $m.mountPath (toString (and (hasKey $m "readOnly") $m.readOnly))) -}}
+
+{{- /* The pod template's labels as the apiserver stores them: the template's, and the four the Job's create adds. */ -}}
+{{- define "gpu-ready.preflight.expectedPodLabels" -}}
+{{- $job := fromYaml (include "gpu-ready.preflight.job" (dict "root" . "nodeName" "x")) -}}
+{{- $l := deepCopy $job.spec.template.metadata.labels -}}
+{{- $_ := set $l "batch.kubernetes.io/controller-uid" "__GPU_READY_UID__" -}}
+{{- $_ := set $l "controller-uid" "__GPU_READY_UID__" -}}
+{{- $_ := set $l "batch.kubernetes.io/job-name" "__GPU_READY_NAME__" -}}
+{{- $_ := set $l "job-name" "__GPU_READY_NAME__" -}}
+{{- include "gpu-ready.cel.literal" $l | replace "\"__GPU_READY_UID__\"" "object.metadata.uid" | replace "\"__GPU_READY_NAME__\"" "object.metadata.name" -}}
 {{- end -}}
-{{- $sc := default dict $c.securityContext -}}
-{{- $ape := true }}{{ if hasKey $sc "allowPrivilegeEscalation" }}{{ $ape = $sc.allowPrivilegeEscalation }}{{ end -}}
-{{- $ru := "-1" }}{{ if hasKey $sc "runAsUser" }}{{ $ru = toString (int64 $sc.runAsUser) }}{{ end -}}
-{{- $add := (default dict $sc.capabilities).add | default list -}}
-{{- $sec := printf "%s:%s:%s:%s" (toString (and (hasKey $sc "privileged") $sc.privileged)) (toString $ape) $ru (join "," $add) -}}
-{{- $hooks := printf "%s:%s:%s:%s:%s" (toString (hasKey $c "lifecycle")) (toString (hasKey $c "livenessProbe")) (toString (hasKey $c "readinessProbe")) (toString (hasKey $c "startupProbe")) (default "" $c.workingDir) -}}
-{{- $sig := printf "%s|%s|%s|%s|%s|%d|%s|%s|%s" $c.name $c.image (join " " (default list $c.command)) (join " " (default list $c.args)) (join "," $env) (len (default list $c.envFrom)) (join "," $mounts) $sec $hooks -}}
-{{- $sigs = append $sigs $sig -}}
+
+{{- /* The Job's own labels as the controller sends them: the template's and its three bookkeeping labels (their
+       values are the controller's: checked by form in the policy). */ -}}
+{{- define "gpu-ready.preflight.expectedJobLabels" -}}
+{{- $job := fromYaml (include "gpu-ready.preflight.job" (dict "root" . "nodeName" "x")) -}}
+{{- $l := deepCopy $job.metadata.labels -}}
+{{- $_ := set $l "gpu-ready.io/managed-by" "gpu-ready-controller" -}}
+{{- $_ := set $l "gpu-ready.io/preflight-node" "__GPU_READY_NODE_LABEL__" -}}
+{{- $_ := set $l "gpu-ready.io/preflight-attempt" "__GPU_READY_ATTEMPT__" -}}
+{{- include "gpu-ready.cel.literal" $l | replace "\"__GPU_READY_NODE_LABEL__\"" "object.metadata.labels[?\"gpu-ready.io/preflight-node\"].orValue(\"\")" | replace "\"__GPU_READY_ATTEMPT__\"" "object.metadata.labels[?\"gpu-ready.io/preflight-attempt\"].orValue(\"\")" -}}
 {{- end -}}
-{{- $_ := set $out $kind $sigs -}}
+
+
+{{- /* A value as a CEL literal the apiserver's type checker takes: its literals must be homogeneous, so every map
+       value and list element is wrapped in dyn(); strings, numbers and booleans as JSON writes them. */ -}}
+{{- define "gpu-ready.cel.literal" -}}
+{{- if kindIs "map" . -}}
+{{- $v := . -}}
+{ {{- range $i, $k := keys $v | sortAlpha }}{{ if $i }}, {{ end }}{{ toJson $k }}: dyn({{ include "gpu-ready.cel.literal" (get $v $k) }}){{ end -}} }
+{{- else if kindIs "slice" . -}}
+[ {{- range $i, $e := . }}{{ if $i }}, {{ end }}dyn({{ include "gpu-ready.cel.literal" $e }}){{ end -}} ]
+{{- else -}}
+{{- toJson . -}}
 {{- end -}}
-{{- $vols := list -}}
-{{- range $v := $spec.volumes -}}
-{{- $what := "other" -}}
-{{- if hasKey $v "hostPath" }}{{ $what = printf "hostPath=%s" $v.hostPath.path }}
-{{- else if hasKey $v "secret" }}{{ $what = printf "secret=%s" $v.secret.secretName }}
-{{- else if hasKey $v "configMap" }}{{ $what = printf "configMap=%s" $v.configMap.name }}
-{{- else if hasKey $v "emptyDir" }}{{ $what = "emptyDir" }}
-{{- else if hasKey $v "projected" }}
-{{- $srcs := list -}}
-{{- range $s := $v.projected.sources -}}
-{{- if hasKey $s "serviceAccountToken" }}{{ $srcs = append $srcs (printf "token:%s:%s" $s.serviceAccountToken.path (default "" $s.serviceAccountToken.audience)) }}
-{{- else if hasKey $s "configMap" }}{{ $srcs = append $srcs (printf "configMap:%s" $s.configMap.name) }}
-{{- else if hasKey $s "secret" }}{{ $srcs = append $srcs (printf "secret:%s" $s.secret.name) }}
-{{- else if hasKey $s "downwardAPI" }}{{ $srcs = append $srcs "downwardAPI" }}
-{{- else }}{{ $srcs = append $srcs "other" }}{{ end -}}
 {{- end -}}
-{{- $what = printf "projected=%s" (join "," $srcs) -}}
+
+
+{{- /* extraVolumes as the apiserver stores them (what it defaults, stated, so the controller's policy can compare
+       the Job exactly): hostPath's type "", a configMap's, secret's, projected or downwardAPI volume's
+       defaultMode 420, a downwardAPI fieldRef's apiVersion v1. */ -}}
+{{- define "gpu-ready.preflight.defaultedVolumes" -}}
+{{- $out := list -}}
+{{- range $vol := . -}}
+{{- $v := deepCopy $vol -}}
+{{- if and (hasKey $v "hostPath") (not (hasKey $v.hostPath "type")) }}{{ $_ := set $v.hostPath "type" "" }}{{ end -}}
+{{- range $k := list "configMap" "secret" "projected" "downwardAPI" -}}
+{{- if and (hasKey $v $k) (kindIs "map" (get $v $k)) (not (hasKey (get $v $k) "defaultMode")) }}{{ $_ := set (get $v $k) "defaultMode" 420 }}{{ end -}}
 {{- end -}}
-{{- $vols = append $vols (printf "%s:%s" $v.name $what) -}}
+{{- if hasKey $v "downwardAPI" -}}
+{{- range $it := ($v.downwardAPI.items | default list) -}}
+{{- if and (hasKey $it "fieldRef") (not (hasKey $it.fieldRef "apiVersion")) }}{{ $_ := set $it.fieldRef "apiVersion" "v1" }}{{ end -}}
 {{- end -}}
-{{- $_ := set $out "volumes" $vols -}}
-{{- $psc := default dict $spec.securityContext -}}
-{{- $pru := "-1" }}{{ if hasKey $psc "runAsUser" }}{{ $pru = toString (int64 $psc.runAsUser) }}{{ end -}}
-{{- $tols := list -}}
-{{- range $t := (default list $spec.tolerations) }}{{ $tols = append $tols (printf "%s:%s:%s" (default "" $t.key) (default "" $t.operator) (default "" $t.effect)) }}{{ end -}}
-{{- $pod := printf "%s|%s|%s|%s|%s|%s|%s|%s|%s" $spec.serviceAccountName (toString (and (hasKey $spec "automountServiceAccountToken") $spec.automountServiceAccountToken)) (toString (and (hasKey $spec "hostNetwork") $spec.hostNetwork)) (toString (and (hasKey $spec "hostPID") $spec.hostPID)) (toString (and (hasKey $spec "hostIPC") $spec.hostIPC)) (toString (and (hasKey $spec "shareProcessNamespace") $spec.shareProcessNamespace)) (default "" $spec.runtimeClassName) $pru (join "," $tols) -}}
-{{- $_ := set $out "pod" $pod -}}
-{{- $_ := set $out "job" (printf "%s|%s" (toString (int64 $job.spec.backoffLimit)) (toString (int64 $job.spec.activeDeadlineSeconds))) -}}
+{{- end -}}
+{{- $out = append $out $v -}}
+{{- end -}}
 {{- toYaml $out -}}
 {{- end -}}
