@@ -6,8 +6,8 @@
 #   tools/k8s-testbin/build.sh            # build what is missing, print the bin dir
 #   tools/k8s-testbin/build.sh demo       # only what `make demo` starts: kube-apiserver, etcd, kube-scheduler
 #   GPU_READY_TESTBIN=/path  ...          # override the cache root
-# Two runs at once (two `make` targets, CI beside a developer) take turns on a lock in the cache root; each
-# build writes to a temporary name of its own and renames it into place, so a binary is whole or absent.
+# A run whose binaries are all cached returns at once, before the lock. Two runs that build (two `make` targets,
+# CI beside a developer) take turns on a lock in the cache root; each build writes to a temporary name of its own and renames it into place, so a binary is whole or absent.
 set -euo pipefail
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 
@@ -22,6 +22,20 @@ mkdir -p "$bin"
 log() { echo "[k8s-testbin] $*" >&2; }
 only=${1:-all}
 case "$only" in all | demo) ;; *) echo "usage: $0 [all|demo]" >&2; exit 2 ;; esac
+# Everything this run needs already built: no lock to wait for (another run may be building the rest).
+cached() {
+  local names=(kube-apiserver etcd kube-scheduler)
+  if [ "$only" = all ]; then names+=(kube-controller-manager kubelet helm promtool prometheus); fi
+  for n in "${names[@]}"; do [ -x "$bin/$n" ] || return 1; done
+  if [ "$only" = all ]; then
+    [ "$(cat "$bin/helm.kube-version" 2>/dev/null)" = "1.$MINOR" ] || return 1
+    [ -f "$bin/crds/monitoring.coreos.com_prometheusrules.yaml" ] || return 1
+  fi
+}
+if cached; then
+  echo "$bin"
+  exit 0
+fi
 exec 9>"$cache_root/.build.lock"
 if ! flock -n 9; then
   log "another build holds $cache_root/.build.lock; waiting for it"
