@@ -183,8 +183,8 @@ def wait_denied(api: KubeApi, node: str, what: str) -> None:
 
     def denied() -> bool:
         try:
-            api.request("PATCH", f"/api/v1/nodes/{node}", {"metadata": {"labels": {"x.example.com/probe": "1"}}},
-                        "application/merge-patch+json")  # fmt: skip
+            probe = {"metadata": {"labels": {"x.example.com/probe": secrets.token_hex(4)}}}  # a change each time
+            api.request("PATCH", f"/api/v1/nodes/{node}", probe, "application/merge-patch+json")
         except ApiError as e:
             return e.status in (403, 422) and "uninstall" in str(e)
         return False
@@ -237,11 +237,14 @@ def test_helm_uninstall_leaves_nothing_of_gpu_ready_on_any_node(jobs_plane: Cont
     try:
         # play kubelet for the hook's pod: run its command line here with a token bound to it
         def hook_pod() -> dict[str, Any] | None:
+            if un.poll() is not None:  # helm gave up before the hook's pod ran
+                return {"helm ended": f"{un.returncode}: {un.communicate()[1][-2000:]}"}
             pods = admin.request("GET", f"/api/v1/namespaces/{ns}/pods",
                                  query={"labelSelector": f"job-name={full}-uninstall"})["items"]  # fmt: skip
             return pods[0] if pods else None
 
         pod = wait_for(hook_pod, 120, 0.2, "the uninstall hook's pod")
+        assert "helm ended" not in pod, pod
         assert pod["spec"]["serviceAccountName"] == f"{full}-uninstall"
         token = uninstall_token(cp, ns, f"{full}-uninstall", pod["metadata"]["name"])
         hook_kc = cp.kubeconfig(tmp_path / "hook", token=token, user="uninstall")
