@@ -67,7 +67,9 @@ def render_table(v: Verdict, xids: list[XidEvent], wide: bool = False) -> str:
             if wide
             else ""
         )
-        out.append(f"{idx:<4} {g.pci_bus_id:<17} {(g.name or '-')[:width]:<{width}} {st:<9} {more}{'; '.join(g.problems)}")
+        out.append(
+            f"{idx:<4} {g.pci_bus_id:<17} {(g.name or '-')[:width]:<{width}} {st:<9} {more}{'; '.join(g.problems)}"
+        )
     if not v.gpus:
         out.append("(no GPUs found)")
     fatal = [x for x in xids if x.fatal]
@@ -296,7 +298,9 @@ def add_uninstall_arguments(u: argparse.ArgumentParser) -> None:
     u.add_argument("--brake-name", default="", help="the brake ConfigMap to delete (default: none)")
     u.add_argument("--lease-name", default="", help="the controller's Lease to delete (default: none)")
     u.add_argument("--pod-selector", default="", help="wait until no pod of the release matches (default: no wait)")
-    u.add_argument("--wait", type=float, default=120.0, help="at most this many seconds for that (default: %(default)s)")
+    u.add_argument(
+        "--wait", type=float, default=120.0, help="at most this many seconds for that (default: %(default)s)"
+    )
     u.add_argument(
         "--keep-history",
         action="store_true",

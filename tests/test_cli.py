@@ -48,7 +48,9 @@ def test_unknown_key_gets_the_closest_known_one(tmp_path: Path) -> None:
         "unknown setting 'pollIntervall' (did you mean pollInterval?)"
     )
     assert error_of(settings_file(tmp_path, "POLLINTERVAL: 30\n")).endswith("(did you mean pollInterval?)")
-    assert error_of(settings_file(tmp_path, "completelyUnrelated: 1\n")).endswith("unknown setting 'completelyUnrelated'")
+    assert error_of(settings_file(tmp_path, "completelyUnrelated: 1\n")).endswith(
+        "unknown setting 'completelyUnrelated'"
+    )
 
 
 def test_snake_case_keys_are_refused_with_their_camel_case_form(tmp_path: Path) -> None:
@@ -119,4 +121,3 @@ def test_check_unknown_node_is_a_usage_error(simhost: Any, control_plane: Any, t
     r = check(simhost, "--node", "no-such-node-x1", "--kubeconfig", str(kc))
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stdout == "" and r.stderr == "gpu-ready: --node no-such-node-x1: no such Node in this cluster\n"
-

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from testkit.chart import CHART, KUBE_VERSION
 from testkit import controlplane  # the module: a function named test* imported here would be collected
+from testkit.chart import CHART, KUBE_VERSION
 
 BUILD = Path(__file__).resolve().parents[1] / "tools" / "k8s-testbin" / "build.sh"
 

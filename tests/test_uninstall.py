@@ -21,15 +21,20 @@ from agent.act.uninstall import UninstallSettings, node_change
 from agent.kube.client import ApiError, KubeApi
 from testkit.chart import CHART, Release, apply_release
 from testkit.cluster import bound_token, create_node, create_runtime_class, ensure_namespace, now_rfc3339
-from testkit.controlplane import ControlPlane
 from testkit.controller import finish_pod
+from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
 from testkit.testbin import require_testbin, tool
 
 TAINT = "gpu-ready.io/gpu-not-ready"
 NEEDS = "gpu-ready.io/needs-preflight"
 CORDONED_BY = "gpu-ready.io/preflight-cordoned"
-OURS_ANNOTATIONS = (CORDONED_BY, "gpu-ready.io/preflight-time", "gpu-ready.io/preflight-report", "gpu-ready.io/clear-before")
+OURS_ANNOTATIONS = (
+    CORDONED_BY,
+    "gpu-ready.io/preflight-time",
+    "gpu-ready.io/preflight-report",
+    "gpu-ready.io/clear-before",
+)
 FOREIGN_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 
 
@@ -47,7 +52,10 @@ def node_with_history(name: str, cordoned_by_preflight: bool = False) -> dict[st
             "labels": {"preflight": "passed", NEEDS: "true", "nvidia.com/gpu.present": "true"},
             "annotations": ann,
         },
-        "spec": {"taints": [FOREIGN_TAINT, {"key": TAINT, "effect": "NoSchedule"}], "unschedulable": cordoned_by_preflight},
+        "spec": {
+            "taints": [FOREIGN_TAINT, {"key": TAINT, "effect": "NoSchedule"}],
+            "unschedulable": cordoned_by_preflight,
+        },
         "status": {"conditions": [{"type": "Ready", "status": "True"}, {"type": "GPUReady", "status": "False"}]},
     }
 
@@ -291,7 +299,9 @@ def test_helm_uninstall_leaves_nothing_of_gpu_ready_on_any_node(jobs_plane: Cont
 @pytest.fixture(scope="module")
 def bound_release(jobs_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Release:
     kc = jobs_plane.kubeconfig(tmp_path_factory.mktemp("kc") / "admin")
-    return apply_release(jobs_plane, kc, "unb", ["--set", "preflight.enabled=true", "--set", "preflight.auto.enabled=true"])
+    return apply_release(
+        jobs_plane, kc, "unb", ["--set", "preflight.enabled=true", "--set", "preflight.auto.enabled=true"]
+    )
 
 
 @pytest.mark.apiserver
@@ -309,31 +319,72 @@ def test_the_uninstall_token_may_only_remove(jobs_plane: ControlPlane, bound_rel
     n = admin.get_node(node)
     attempts: list[tuple[str, str, str, Any, str]] = [
         ("add a label", "PATCH", f"/api/v1/nodes/{node}", {"metadata": {"labels": {"a.example.com/x": "1"}}}, merge),
-        ("change a foreign label", "PATCH", f"/api/v1/nodes/{node}",
-         {"metadata": {"labels": {"nvidia.com/gpu.present": "false"}}}, merge),
-        ("remove a foreign label", "PATCH", f"/api/v1/nodes/{node}",
-         {"metadata": {"labels": {"nvidia.com/gpu.present": None}}}, merge),
-        ("set gpu-ready's label", "PATCH", f"/api/v1/nodes/{node}", {"metadata": {"labels": {"preflight": "failed"}}},
-         merge),
-        ("remove a foreign annotation", "PATCH", f"/api/v1/nodes/{node}",
-         {"metadata": {"annotations": {"team.example.com/owner": None}}}, merge),
-        ("remove a foreign taint", "PATCH", f"/api/v1/nodes/{node}",
-         {"spec": {"taints": [t for t in n["spec"]["taints"] if t["key"] != "nvidia.com/gpu"]}}, merge),
-        ("add its taint", "PATCH", f"/api/v1/nodes/{node}",
-         {"spec": {"taints": [*n["spec"]["taints"], {"key": TAINT, "effect": "NoExecute"}]}}, merge),
+        (
+            "change a foreign label",
+            "PATCH",
+            f"/api/v1/nodes/{node}",
+            {"metadata": {"labels": {"nvidia.com/gpu.present": "false"}}},
+            merge,
+        ),
+        (
+            "remove a foreign label",
+            "PATCH",
+            f"/api/v1/nodes/{node}",
+            {"metadata": {"labels": {"nvidia.com/gpu.present": None}}},
+            merge,
+        ),
+        (
+            "set gpu-ready's label",
+            "PATCH",
+            f"/api/v1/nodes/{node}",
+            {"metadata": {"labels": {"preflight": "failed"}}},
+            merge,
+        ),
+        (
+            "remove a foreign annotation",
+            "PATCH",
+            f"/api/v1/nodes/{node}",
+            {"metadata": {"annotations": {"team.example.com/owner": None}}},
+            merge,
+        ),
+        (
+            "remove a foreign taint",
+            "PATCH",
+            f"/api/v1/nodes/{node}",
+            {"spec": {"taints": [t for t in n["spec"]["taints"] if t["key"] != "nvidia.com/gpu"]}},
+            merge,
+        ),
+        (
+            "add its taint",
+            "PATCH",
+            f"/api/v1/nodes/{node}",
+            {"spec": {"taints": [*n["spec"]["taints"], {"key": TAINT, "effect": "NoExecute"}]}},
+            merge,
+        ),
         ("uncordon an admin's cordon", "PATCH", f"/api/v1/nodes/{cordoned}", {"spec": {"unschedulable": None}}, merge),
         ("cordon", "PATCH", f"/api/v1/nodes/{node}", {"spec": {"unschedulable": True}}, merge),
-        ("remove kubelet's condition", "PATCH", f"/api/v1/nodes/{node}/status",
-         {"status": {"conditions": [{"type": "Ready", "$patch": "delete"}]}}, "application/strategic-merge-patch+json"),
-        ("set its condition", "PATCH", f"/api/v1/nodes/{node}/status",
-         {"status": {"conditions": [{"type": "GPUReady", "status": "True"}]}}, "application/strategic-merge-patch+json"),
+        (
+            "remove kubelet's condition",
+            "PATCH",
+            f"/api/v1/nodes/{node}/status",
+            {"status": {"conditions": [{"type": "Ready", "$patch": "delete"}]}},
+            "application/strategic-merge-patch+json",
+        ),
+        (
+            "set its condition",
+            "PATCH",
+            f"/api/v1/nodes/{node}/status",
+            {"status": {"conditions": [{"type": "GPUReady", "status": "True"}]}},
+            "application/strategic-merge-patch+json",
+        ),
         ("delete a Node", "DELETE", f"/api/v1/nodes/{node}", None, merge),
     ]
     ensure_namespace(admin, rel.ns)
-    admin.request("POST", f"/apis/batch/v1/namespaces/{rel.ns}/jobs", {**controller_job(rel.ns, "x", f"team-{suffix}"),
-                  "metadata": {"name": f"team-{suffix}", "namespace": rel.ns, "labels": {"team": "x"}}})  # fmt: skip
-    attempts.append(("delete a Job not the controller's", "DELETE", f"/apis/batch/v1/namespaces/{rel.ns}/jobs/team-{suffix}",
-                     None, merge))  # fmt: skip
+    team_job = controller_job(rel.ns, "x", f"team-{suffix}")
+    team_job["metadata"]["labels"] = {"team": "x"}
+    admin.request("POST", f"/apis/batch/v1/namespaces/{rel.ns}/jobs", team_job)
+    jobs = f"/apis/batch/v1/namespaces/{rel.ns}/jobs"
+    attempts.append(("delete a Job not the controller's", "DELETE", f"{jobs}/team-{suffix}", None, merge))
     admin.request("POST", f"/api/v1/namespaces/{rel.ns}/configmaps", {"metadata": {"name": f"other-{suffix}"}})
     attempts.append(("delete another ConfigMap", "DELETE", f"/api/v1/namespaces/{rel.ns}/configmaps/other-{suffix}",
                      None, merge))  # fmt: skip
@@ -341,7 +392,9 @@ def test_the_uninstall_token_may_only_remove(jobs_plane: ControlPlane, bound_rel
     if rules is not None:
         admin.request("POST", rules, device_taint_rule(f"other-{suffix}", managed=False))
         attempts.append(("delete a foreign DeviceTaintRule", "DELETE", f"{rules}/other-{suffix}", None, merge))
-        attempts.append(("create a DeviceTaintRule", "POST", rules, device_taint_rule(f"new-{suffix}", True), "application/json"))
+        attempts.append(
+            ("create a DeviceTaintRule", "POST", rules, device_taint_rule(f"new-{suffix}", True), "application/json")
+        )
     allowed = []
     for what, method, path, body, ctype in attempts:
         try:

@@ -10,12 +10,12 @@ that nothing maintains any more:
   (a running one first, so that it cannot record its labels after the removal).
 
 With `keep_history` the record of what preflight found stays (the `preflight` and `needs-preflight` labels, the
-time and report annotations, the finished Jobs: they are the Nodes' onboarding record); what steers the scheduler (condition, taint, cordon, device
-taints) is removed all the same. The chart's admission policy holds this token to removals of exactly these
-names (docs/deployment.md#uninstall).
+time and report annotations, the finished Jobs: they are the Nodes' onboarding record); what steers the scheduler
+(condition, taint, cordon, device taints) is removed all the same. The chart's admission policy holds this token to
+removals of exactly these names (docs/deployment.md#uninstall).
 
-It first waits, with a bound, until the release's agent and controller pods are gone: a pod still terminating
-could publish its condition again after the removal."""
+Before the removal it waits, with a bound, until the release's agent and controller pods are gone: a pod still
+terminating could publish its condition again after the removal."""
 
 from __future__ import annotations
 

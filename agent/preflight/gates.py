@@ -16,7 +16,6 @@ from agent.preflight.result import DEFAULT_TIMEOUTS, GATES, GateFn, GateResult
 from agent.preflight.serving import serving_gate
 from agent.preflight.spec import spec_gate
 
-
 PROGRESS_EVERY_S = 10.0  # the burn-in's progress line: at most this often
 
 

@@ -257,8 +257,9 @@ def render_gpus(
         idx = "-" if g.index is None else str(g.index)
         bus = g.gpu.nvml if g.gpu is not None else "-"
         rail = f"{rails.rail_of(g.gpu):<{RAIL_WIDTH}} " if with_rail and rails is not None else ""
+        uuid = (g.uuid or "-") if wide else short_uuid(g.uuid)
         out.append(
-            f"{idx:<6} {bus:<17} {(g.uuid or '-') if wide else short_uuid(g.uuid):<{uuid_width}} {g.sharing:<9} {g.slots:>5} {g.allocated:>4} "
+            f"{idx:<6} {bus:<17} {uuid:<{uuid_width}} {g.sharing:<9} {g.slots:>5} {g.allocated:>4} "
             f"{g.state:<8} {_health(g, health):<9} {_remedy(g, health):<15} {rail}{pods_cell(g)}"
         )
     if not amap.gpus:

@@ -30,9 +30,9 @@ def tools_in(path: Path) -> list[str]:
         return found
     for e in entries:
         m = DIST.match(e)
-        if m and m.group("name").lower().replace("_", "-") in TOOLS:
-            found.append(str(path / e))
-        elif e in TOOLS and (path / e / "__init__.py").exists():
+        if (m and m.group("name").lower().replace("_", "-") in TOOLS) or (
+            e in TOOLS and (path / e / "__init__.py").exists()
+        ):
             found.append(str(path / e))
     return found
 
@@ -59,7 +59,7 @@ def size(root: str) -> tuple[int, int]:
                 st = os.lstat(os.path.join(d, n))
             except OSError:
                 continue
-            if not (st.st_mode & 0o170000 == 0o100000) or (st.st_dev, st.st_ino) in seen:
+            if st.st_mode & 0o170000 != 0o100000 or (st.st_dev, st.st_ino) in seen:  # regular files only
                 continue
             seen.add((st.st_dev, st.st_ino))
             total += st.st_size
