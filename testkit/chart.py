@@ -70,6 +70,11 @@ def server_dry_run(kc: Path, docs: list[dict[str, Any]]) -> None:
     assert r.stdout.count("(server dry run)") == len(docs), r.stdout
 
 
+def is_hook(doc: dict[str, Any]) -> bool:
+    """A Helm hook (the uninstall Job and its token): made by helm at a release event, not part of the release."""
+    return "helm.sh/hook" in ((doc.get("metadata") or {}).get("annotations") or {})
+
+
 def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 

@@ -1062,7 +1062,8 @@ def test_every_attempt_is_listed_once_with_a_known_token():
 
 
 def test_chart_rbac_is_the_testkit_rbac_and_events_are_namespaced():
-    docs = render(["--set", "preflight.enabled=true"])
+    # the uninstall hook's own Role and RoleBinding live in the release namespace: tests/test_uninstall.py
+    docs = render(["--set", "preflight.enabled=true", "--set", "uninstall.enabled=false"])
     roles, cluster_roles = by_kind(docs, "Role"), by_kind(docs, "ClusterRole")
     assert cluster_roles["gpu-ready"]["rules"] == AGENT_CLUSTER_RULES
     assert cluster_roles["gpu-ready-preflight"]["rules"] == PREFLIGHT_CLUSTER_RULES
