@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev testbin test e2e test-fast lint demo bench chart-lint chart-readme clean gpu-smoke protos docs lock release-dry-run
+.PHONY: dev testbin test test-oldest e2e test-fast lint demo bench chart-lint chart-readme clean gpu-smoke protos docs lock release-dry-run
 
 # The runtime set at the versions requirements/runtime.lock pins (what the image installs), as plain constraints.
 $(STAMP): pyproject.toml requirements/runtime.lock
@@ -25,6 +25,12 @@ testbin:
 test: dev testbin
 	tools/containerd/build.sh >/dev/null
 	$(BIN)/python -m pytest -q
+
+## test-oldest: the admission-policy matrix and the agent's end-to-end tests on kube-apiserver at the oldest minor the
+##   chart claims (K8S_OLDEST_VERSION in tools/k8s-testbin/versions.env; built once, then cached); not part of CI
+OLDEST_TESTS := tests/test_security.py tests/test_security_bounds.py tests/test_agent_e2e.py tests/test_uninstall.py
+test-oldest: dev testbin
+	GPU_READY_TESTBIN_DIR=$$(tools/k8s-testbin/build.sh oldest) $(BIN)/python -m pytest -q -rs $(OLDEST_TESTS)
 
 ## e2e: only the real-node tests: the chart on kubelet + containerd with the image built from docker/Dockerfile
 ##   (root; Debian packages as .ci/run installs them; containerd and the images are built and cached on first use)

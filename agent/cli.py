@@ -1,5 +1,6 @@
-"""Command line: `gpu-ready check` (one shot), `gpu-ready run` (the DaemonSet agent),
-`gpu-ready gpus` (which pods hold which GPU, from kubelet's pod-resources), `gpu-ready preflight` (onboarding gates)."""
+"""Command line: `gpu-ready check` (one shot), `gpu-ready run` (the DaemonSet agent), `gpu-ready gpus` (which pods
+hold which GPU, from kubelet's pod-resources), `gpu-ready controller` (preflight Jobs and the fleet brake),
+`gpu-ready preflight` (onboarding gates), `gpu-ready uninstall` (what the chart's uninstall hook runs)."""
 
 from __future__ import annotations
 
@@ -53,12 +54,23 @@ def latched_from(log: KernelLog, now: float) -> list[LatchedFault]:
     ]
 
 
-def render_table(v: Verdict, xids: list[XidEvent]) -> str:
-    out = [f"{'GPU':<4} {'BUS ID':<17} {'NAME':<28} {'STATUS':<9} PROBLEMS"]
+def render_table(v: Verdict, xids: list[XidEvent], wide: bool = False) -> str:
+    """The per-GPU table; `wide` (-o wide) adds each GPU's remedy, recovery step and the sources that could not
+    check it, and keeps long names whole."""
+    extra = f"{'REMEDY':<7} {'RECOVERY':<12} {'UNCHECKED':<24} " if wide else ""
+    width = max([28, *(len(g.name or "") for g in v.gpus)]) if wide else 28
+    out = [f"{'GPU':<4} {'BUS ID':<17} {'NAME':<{width}} {'STATUS':<9} {extra}PROBLEMS"]
     for g in v.gpus:
         st = {True: "healthy", False: "UNHEALTHY", None: "unknown"}[g.healthy]
         idx = "-" if g.index is None else str(g.index)
-        out.append(f"{idx:<4} {g.pci_bus_id:<17} {(g.name or '-')[:28]:<28} {st:<9} {'; '.join(g.problems)}")
+        more = (
+            f"{g.remedy or '-':<7} {g.recovery or '-':<12} {','.join(c.value for c in g.unchecked) or '-':<24} "
+            if wide
+            else ""
+        )
+        out.append(
+            f"{idx:<4} {g.pci_bus_id:<17} {(g.name or '-')[:width]:<{width}} {st:<9} {more}{'; '.join(g.problems)}"
+        )
     if not v.gpus:
         out.append("(no GPUs found)")
     fatal = [x for x in xids if x.fatal]
@@ -185,6 +197,31 @@ def read_node_json(path: str) -> dict[str, Any]:
     return node
 
 
+OBJECT_OUTPUTS = ("json", "yaml")
+
+
+def add_output_flags(p: argparse.ArgumentParser) -> None:
+    """kubectl's -o: json or yaml print one object (the same fields), wide the table with more columns; --json is
+    -o json."""
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=("json", "yaml", "wide"),
+        default=None,
+        help="json or yaml: one object; wide: the table with more columns (default: the table)",
+    )
+    p.add_argument("--json", dest="output", action="store_const", const="json", help="the same as -o json")
+
+
+def print_object(obj: dict[str, Any], fmt: str) -> None:
+    if fmt == "yaml":
+        import yaml
+
+        print(yaml.safe_dump(obj, sort_keys=False, default_flow_style=False), end="")
+    else:
+        print(json.dumps(obj, indent=2))
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     """Exit EXIT[verdict]; USAGE_ERROR (2) with one line for a bad setting, kubeconfig or --node-json."""
     if args.node:
@@ -205,6 +242,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         try:
             node = api.get_node(args.node)  # the ResourceSlices are read too (dra_counting), in suite.run
         except ApiError as e:
+            if e.status == 404:  # a typo is a usage error, not a node that could not be checked
+                print(f"gpu-ready: --node {args.node}: no such Node in this cluster", file=sys.stderr)
+                return USAGE_ERROR
             node_error = str(e)
     log = read_kernel_log(cfg)
     suite = CheckSuite(
@@ -220,11 +260,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     v = decide(obs, latched_from(log, time.time()))
     fencing = preview_fencing(api, args.node, cfg, v, suite) if api is not None and node is not None else None
     shown = on_node(node, cfg.condition_type, cfg.taint_key) if node is not None else None
-    if args.json:
+    if args.output in OBJECT_OUTPUTS:
         body = verdict_json(v, xids, fencing, allocation_of(suite, obs, cfg), multinode_json(suite))
-        print(json.dumps({**body, "node": shown}, indent=2))
+        print_object({**body, "node": shown}, args.output)
     else:
-        lines = [render_table(v, xids), *(render_on_node(shown) if shown else [])]
+        lines = [render_table(v, xids, wide=args.output == "wide"), *(render_on_node(shown) if shown else [])]
         print("\n".join([*lines, *(render_fencing(fencing) if fencing is not None else [])]))
     return EXIT[v.status]
 
@@ -244,11 +284,47 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     v = decide(obs, latched_from(log, time.time()))
     rails = suite.results.get(Check.INFINIBAND)
     rail_view = rails.payload if rails is not None and isinstance(rails.payload, RailReport) else None
-    if args.json:
-        print(json.dumps(gpus_json(amap, v, rail_view), indent=2))
+    if args.output in OBJECT_OUTPUTS:
+        print_object(gpus_json(amap, v, rail_view), args.output)
     else:
-        print(render_gpus(amap, v, rail_view))
+        print(render_gpus(amap, v, rail_view, wide=args.output == "wide"))
     return 0
+
+
+def add_uninstall_arguments(u: argparse.ArgumentParser) -> None:
+    u.add_argument("--namespace", required=True, help="the release namespace (the brake, the Lease, the Jobs)")
+    u.add_argument("--condition-type", default="GPUReady", help="the agent's node condition (default: %(default)s)")
+    u.add_argument("--taint-key", default="gpu-ready.io/gpu-not-ready", help="the agent's taint (default: %(default)s)")
+    u.add_argument("--preflight-label", default="preflight", help="preflight's result label (default: %(default)s)")
+    u.add_argument(
+        "--needs-label", default="gpu-ready.io/needs-preflight", help="the needs-preflight label (default: %(default)s)"
+    )
+    u.add_argument("--brake-name", default="", help="the brake ConfigMap to delete (default: none)")
+    u.add_argument("--lease-name", default="", help="the controller's Lease to delete (default: none)")
+    u.add_argument("--pod-selector", default="", help="wait until no pod of the release matches (default: no wait)")
+    u.add_argument(
+        "--wait", type=float, default=120.0, help="at most this many seconds for that (default: %(default)s)"
+    )
+    u.add_argument(
+        "--keep-history",
+        action="store_true",
+        help="keep preflight's labels, its time and report annotations and the finished Jobs (default: remove them)",
+    )
+    u.add_argument("--kubeconfig", default=None, help="a kubeconfig file (default: in-cluster, then ~/.kube/config)")
+
+
+def cmd_uninstall(args: argparse.Namespace) -> int:
+    from agent.act.uninstall import Uninstall, UninstallSettings
+
+    api = connect(args.kubeconfig, 10.0)
+    s = UninstallSettings(
+        args.namespace, args.condition_type, args.taint_key, args.preflight_label, args.needs_label,
+        args.brake_name, args.lease_name, args.pod_selector, args.keep_history, args.wait,
+    )  # fmt: skip
+    try:
+        return Uninstall(api, s, lambda line: print(line, flush=True)).run()
+    finally:
+        api.close()
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -283,25 +359,26 @@ def build_parser(with_preflight: bool = True, argv: list[str] | None = None) -> 
         "check",
         help="run every check once and print the verdict (exit 0 True, 1 False, 3 Unknown; 2 usage or configuration "
         "error)",
-        usage="%(prog)s [--node NODE | --node-json NODE_JSON] [--json] [--config CONFIG] [settings]",
-        description="Run every check once and print the per-GPU table and the verdict (--json: one object).",
+        usage="%(prog)s [--node NODE | --node-json NODE_JSON] [-o json|yaml|wide] [--config CONFIG] [settings]",
+        description="Run every check once and print the per-GPU table and the verdict (-o json or yaml: one "
+        "object; -o wide: more columns).",
         epilog=f"{CHECK_EPILOG}\n\n{FLAGS_EPILOG}",
     )
     src = c.add_mutually_exclusive_group()
     src.add_argument("--node", help="read this Node through the API (in-cluster config or kubeconfig)")
     src.add_argument("--node-json", help="a saved `kubectl get node -o json`")
-    c.add_argument("--json", action="store_true", help="print one JSON object")
+    add_output_flags(c)
     config_mod.add_flags(c, "check")
     c.set_defaults(func=cmd_check)
     g = sub.add_parser(
         "gpus",
         help="which pods hold which GPU (kubelet pod-resources): a table of every GPU and a summary line",
-        usage="%(prog)s [--json] [--config CONFIG] [settings]",
+        usage="%(prog)s [-o json|yaml|wide] [--config CONFIG] [settings]",
         description="Which pods hold which GPU (kubelet's pod-resources) and each GPU's health; exit 0, or 2 "
         "with one line when pod-resources cannot be read.",
         epilog=FLAGS_EPILOG,
     )
-    g.add_argument("--json", action="store_true", help="print one JSON object")
+    add_output_flags(g)
     config_mod.add_flags(g, "gpus")
     g.set_defaults(func=cmd_gpus)
     r = sub.add_parser(
@@ -326,6 +403,17 @@ def build_parser(with_preflight: bool = True, argv: list[str] | None = None) -> 
         from agent.controller import add_arguments as controller_arguments
 
         controller_arguments(ct)
+        complete_help(ct)
+    u = sub.add_parser(
+        "uninstall",
+        help="remove what gpu-ready wrote to Nodes and the cluster (the chart's uninstall hook runs it)",
+        description="Remove gpu-ready's condition, taint, labels and annotations from every Node, its "
+        "DeviceTaintRules, the brake ConfigMap, the controller's Lease and its preflight Jobs (docs/deployment.md"
+        "#uninstall). Exit 0 when nothing is left, 1 when something could not be removed, 2 on a usage error.",
+    )
+    add_uninstall_arguments(u)
+    complete_help(u)
+    u.set_defaults(func=cmd_uninstall)
     pf = sub.add_parser("preflight", help="run the onboarding gates and label the Node")
     pf.set_defaults(func=lambda a: __import__("agent.preflight", fromlist=["main"]).main(a))
     if with_preflight:
@@ -333,9 +421,38 @@ def build_parser(with_preflight: bool = True, argv: list[str] | None = None) -> 
             from agent.preflight import add_arguments
 
             add_arguments(pf)
+            complete_help(pf)
         except ImportError:
             pass
     return p
+
+
+# The meaning of the controller's and preflight's flags that their own modules leave without help text.
+FLAG_HELP = {
+    "needs_label": "the label that asks for preflight on a Node",
+    "preflight_label": "the label preflight writes: <key>=passed|failed",
+    "label_key": "the label preflight writes: <key>=passed|failed",
+    "condition_type": "the agent's node condition",
+    "max_concurrent": "preflight Jobs running at once, fleet-wide",
+    "max_failures": "failed runs per node before the controller stops retrying it",
+    "pending_timeout": "seconds a Job's pod may wait to run before it is reported (an Event)",
+    "metrics_address": "host:port of /metrics and /healthz",
+    "kubeconfig": "a kubeconfig file (default: in-cluster, then ~/.kube/config)",
+    "nvidia_smi": "the nvidia-smi to run",
+    "json": "print one JSON report",
+}
+
+
+def complete_help(p: argparse.ArgumentParser) -> None:
+    """Every flag of `p` says what it means and its default in --help (argparse shows neither by itself)."""
+    for a in p._actions:
+        if a.help == argparse.SUPPRESS or not a.option_strings or a.dest == "help":
+            continue
+        a.help = a.help or FLAG_HELP.get(a.dest, a.dest.replace("_", " "))
+        default = '""' if a.default == "" else a.default
+        shown = "required" if a.required else None if a.default in (None, False) else f"default: {default}"
+        if shown and "default" not in a.help and "required" not in a.help:
+            a.help = f"{a.help} ({shown})".replace("%", "%%")
 
 
 def wants_command(argv: list[str] | None, command: str) -> bool:

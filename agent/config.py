@@ -428,13 +428,34 @@ def _read_file(path: str) -> dict[str, Any]:
     except ValueError as e:
         raise ConfigError(f"config file {path}: {e}") from None
     except yaml.YAMLError as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"config file {path}: not valid YAML: {first}") from None
+        raise ConfigError(f"config file {path}: not valid YAML{yaml_where(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: expected a mapping of settings, got {type(data).__name__}")
     return data
+
+
+def yaml_where(e: yaml.YAMLError) -> str:
+    """` at line L, column C: <problem>` of a YAML error (1-based, as an editor shows them), else `: <first line>`."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or (str(e).splitlines() or [type(e).__name__])[0]
+    if mark is None:
+        return f": {problem}"
+    return f" at line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
+def did_you_mean(key: str, keys: Mapping[str, Setting]) -> str:
+    """One spelling of a settings-file key, camelCase (as the chart's values and docs/configuration.md write them):
+    a snake_case key is refused with its camelCase form; any other unknown key gets the closest known one."""
+    import difflib
+
+    camel = next((s.file_key for s in keys.values() if s.name == key), None)
+    if camel is not None:
+        return f": keys are camelCase, write {camel}"
+    norm = key.replace("_", "").replace("-", "").lower()
+    close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.6) or [k for k in keys if k.lower() == norm][:1]
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def load(
@@ -450,9 +471,9 @@ def load(
     if path:
         keys = {s.file_key: s for s in SETTINGS if s.public}
         for k, v in _read_file(path).items():
-            s = keys.get(str(k)) or next((x for x in keys.values() if x.name == str(k)), None)
+            s = keys.get(str(k))
             if s is None:
-                raise ConfigError(f"config file {path}: unknown setting {_show(k)}")
+                raise ConfigError(f"config file {path}: unknown setting {_show(k)}{did_you_mean(str(k), keys)}")
             raw[s.name] = (v, f"{s.file_key} in {path}")
     for s in SETTINGS:
         for env in (s.env_name, s.env):

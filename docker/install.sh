@@ -13,6 +13,12 @@ pip="$prefix/bin/python -m pip --no-cache-dir --disable-pip-version-check --quie
 $pip install --require-hashes --only-binary=:all: -r "$src/requirements/runtime.lock"
 $pip install --no-deps "$src"
 "$prefix/bin/python" -m pip check --disable-pip-version-check >/dev/null
+# No packaging tools in the runtime environment: scanners flag pip, setuptools and wheel, and the agent never
+# installs anything. pip goes last (it removes itself).
+"$prefix/bin/python" -m pip uninstall --yes --quiet --disable-pip-version-check setuptools wheel pip 2>/dev/null
+for tool in pip setuptools wheel; do
+  if "$prefix/bin/python" -c "import $tool" 2>/dev/null; then echo "install.sh: $tool is still in $prefix" >&2; exit 1; fi
+done
 # Bytecode compiled once here, optimised: without column tables (PYTHONNODEBUGRANGES: smaller code
 # objects in memory), as the plain .pyc and as the -OO one (no docstrings or asserts) that an interpreter run
 # with PYTHONOPTIMIZE=2 loads. The image runs with PYTHONDONTWRITEBYTECODE, so nothing is compiled at run time.

@@ -70,6 +70,23 @@ def server_dry_run(kc: Path, docs: list[dict[str, Any]]) -> None:
     assert r.stdout.count("(server dry run)") == len(docs), r.stdout
 
 
+def serves(api: Any, group_version: str, resource: str) -> bool:
+    """Whether the apiserver serves `resource` in `group_version`: an older minor (`make test-oldest`) lacks DRA's
+    resource.k8s.io/v1 (1.34) and DeviceTaintRules (1.36, 1.37); the tests of those skip there, saying so."""
+    from agent.kube.client import ApiError
+
+    try:
+        found = api.request("GET", f"/apis/{group_version}").get("resources") or []
+    except ApiError:
+        return False
+    return any(r.get("name") == resource for r in found)
+
+
+def is_hook(doc: dict[str, Any]) -> bool:
+    """A Helm hook (the uninstall Job and its token): made by helm at a release event, not part of the release."""
+    return "helm.sh/hook" in ((doc.get("metadata") or {}).get("annotations") or {})
+
+
 def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 

@@ -522,3 +522,9 @@ def test_dockerfile_install_steps_in_a_fresh_venv(tmp_path):
     # the deprecated `pynvml` wrapper must not come in: it warns on every import
     r = subprocess.run([str(tmp_path / "opt" / "bin" / "python"), "-W", "error", "-c", "import pynvml"])
     assert r.returncode == 0
+    # no packaging tools left in the runtime environment
+    facts = ROOT / "tools" / "release" / "image_facts.py"
+    r = subprocess.run(
+        [str(tmp_path / "opt" / "bin" / "python"), str(facts), "--prefix"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and '"packaging_tools": []' in r.stdout, r.stdout + r.stderr

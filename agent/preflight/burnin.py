@@ -151,11 +151,32 @@ def load_nvml() -> Any:
         return None
 
 
-def burnin_gate(profile: Profile, cuda: Any, nvml: Any, kmsg: str | None, kmsg_trust_user: bool = False) -> GateResult:
+def burnin_gate(
+    profile: Profile,
+    cuda: Any,
+    nvml: Any,
+    kmsg: str | None,
+    kmsg_trust_user: bool = False,
+    tick: Callable[[float], Callable[[], None]] | None = None,
+) -> GateResult:
+    """`tick(budget_s)`: a progress callback (gates.Ticker) the burn-in calls with every watch sample."""
     if not profile.burnin_command and cuda is None:
         return GateResult("burnin", SKIP, "no CUDA binding (pip install gpu-ready[cuda]) and no burnInCommand")
     watch = BurnInWatch(nvml, kmsg, trust_user=kmsg_trust_user) if nvml is not None else None
     if profile.burnin_command:
         cmd, limit = profile.burnin_command, profile.timeouts.get("burnin", DEFAULT_TIMEOUTS["burnin"])
-        return watched("burnin", lambda s: run_command_gate("burnin", cmd, limit, sample=s), watch)
-    return watched("burnin", lambda s: cuda_burnin(cuda, profile.burnin_seconds, s), watch)
+        progress = tick(limit) if tick is not None else None
+        return watched("burnin", lambda s: run_command_gate("burnin", cmd, limit, sample=both(s, progress)), watch)
+    progress = tick(profile.burnin_seconds) if tick is not None else None
+    return watched("burnin", lambda s: cuda_burnin(cuda, profile.burnin_seconds, both(s, progress)), watch)
+
+
+def both(sample: Callable[[], None], progress: Callable[[], None] | None) -> Callable[[], None]:
+    if progress is None:
+        return sample
+
+    def call() -> None:
+        sample()
+        progress()
+
+    return call

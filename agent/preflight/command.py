@@ -29,6 +29,8 @@ def run_command_gate(
         return GateResult(gate, FAIL, "empty command")
     try:
         out = run_command(argv, timeout_s, sample)
+    except FileNotFoundError:
+        return GateResult(gate, FAIL, f"cannot run {argv[0]}: it is not installed or not on PATH ({command!r})")
     except OSError as e:
         return GateResult(gate, FAIL, f"cannot run {command!r}: {e.strerror or e}")
     ev = {

@@ -25,7 +25,8 @@ from agent.preflight.onboarding import (
     record_on_node,
 )
 from agent.preflight.profile import Profile, ProfileError
-from agent.preflight.result import FAIL, GATES, GateFn, GateResult, passed
+from agent.preflight.result import FAIL, GATES, PASS, SKIP, GateFn, GateResult, passed
+from agent.report.events import EventReporter
 from agent.settings import ConfigError, load_json, own_label_key, read_text_file
 
 STEPS = ("all", "cordon", "gates", "record")
@@ -180,9 +181,29 @@ def _api(args: argparse.Namespace) -> KubeApi:
     return connect(cfg.kubeconfig, cfg.api_timeout)
 
 
+def progress(line: str) -> None:
+    """A progress line on stderr (stdout keeps the report, --json's one object included), written at once: the
+    Job's log shows each gate start and end, and the burn-in's elapsed time, while preflight runs."""
+    print(f"preflight: {line}", file=sys.stderr, flush=True)
+
+
+GATE_EVENT_REASON = {PASS: "PreflightGatePassed", FAIL: "PreflightGateFailed", SKIP: "PreflightGateSkipped"}
+
+
+def gate_events(api: KubeApi, node: str, results: list[GateResult], namespace: str) -> None:
+    """One Event on the Node per gate result (kubectl describe node shows each gate of the run)."""
+    uid = (api.get_node(node).get("metadata") or {}).get("uid")
+    ev = EventReporter(api, node, interval_s=0, namespace=namespace, node_uid=uid)
+    for r in results:
+        note = f"preflight gate {r.gate} {r.status} in {r.duration_s:.1f}s: {r.reason}".strip().rstrip(":")
+        ev.record(GATE_EVENT_REASON.get(r.status, "PreflightGateFailed"), note, gpu=r.gate,
+                  type_="Warning" if r.status == FAIL else "Normal", action="Preflight")  # fmt: skip
+    ev.flush()
+
+
 def _run_step(args: argparse.Namespace, profile: Profile, wanted: list[str]) -> int:
     def gates() -> dict[str, GateFn]:
-        built = build_gates(profile, args.nvidia_smi, Lazy(load_cuda), Lazy(load_nvml), args.kmsg)
+        built = build_gates(profile, args.nvidia_smi, Lazy(load_cuda), Lazy(load_nvml), args.kmsg, progress=progress)
         return {k: v for k, v in built.items() if k in wanted}
 
     if args.step == "cordon":
@@ -196,7 +217,7 @@ def _run_step(args: argparse.Namespace, profile: Profile, wanted: list[str]) -> 
                 f"refusing to run the gates with a ServiceAccount token at {args.sa_token_path}: the burn-in and "
                 "serving commands must not get the Node credentials (mount the token only into cordon/record)"
             )
-        results = run_gates(gates(), profile.timeouts)
+        results = run_gates(gates(), profile.timeouts, progress)
         ok, _ = passed(results, profile.allow_skip)
         try:
             write_results(args.results, results, ok)
@@ -212,6 +233,7 @@ def _run_step(args: argparse.Namespace, profile: Profile, wanted: list[str]) -> 
         record_on_node(
             api, args.node, results, ok, blocking, args.label_key, args.needs_label, by_us, args.event_namespace
         )
+        gate_events(api, args.node, results, args.event_namespace)
         _print(args, results, ok)
         return 0 if ok else 1
     if args.node:
@@ -224,9 +246,11 @@ def _run_step(args: argparse.Namespace, profile: Profile, wanted: list[str]) -> 
             args.label_key,
             args.needs_label,
             args.event_namespace,
+            progress,
         )
+        gate_events(api, args.node, results, args.event_namespace)
     else:
-        results = run_gates(gates(), profile.timeouts)
+        results = run_gates(gates(), profile.timeouts, progress)
         ok, _ = passed(results, profile.allow_skip)
     _print(args, results, ok)
     return 0 if ok else 1

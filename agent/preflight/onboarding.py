@@ -6,6 +6,7 @@ preflight token to make (docs/deployment.md)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -108,11 +109,12 @@ def onboard(
     label_key: str = "preflight",
     needs_label: str | None = None,
     event_namespace: str = DEFAULT_EVENT_NAMESPACE,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[bool, list[GateResult]]:
     """All three steps in one process (for a workstation or a host; the chart's Job runs them as separate
     containers so that the gates never hold the token)."""
     by_us = cordon_for_preflight(api, node)
-    results = run_gates(gates, profile.timeouts)
+    results = run_gates(gates, profile.timeouts, progress)
     ok, blocking = passed(results, profile.allow_skip)
     record_on_node(api, node, results, ok, blocking, label_key, needs_label, by_us, event_namespace)
     return ok, results

@@ -17,6 +17,17 @@ from agent.proc import become_subreaper, kill_leftovers, kill_tree
 RESULT_LIMIT = 1 << 20  # bytes of JSON a gate process may send back
 
 
+def gate_error(e: BaseException) -> str:
+    """What a gate's exception means, as a sentence: a tool that is missing or cannot be run is named."""
+    if isinstance(e, FileNotFoundError) and e.filename:
+        return f"cannot run {e.filename}: it is not installed or not on PATH (or name its path in the profile)"
+    if isinstance(e, PermissionError) and e.filename:
+        return f"cannot run {e.filename}: permission denied (is it executable?)"
+    if isinstance(e, OSError) and e.strerror:
+        return f"gate error: {e.strerror}{f' ({e.filename})' if e.filename else ''}"
+    return f"gate error: {type(e).__name__}: {e}"
+
+
 def run_in_process(name: str, fn: Callable[[], GateResult], timeout_s: float) -> GateResult:
     """Runs `fn` in a forked child that leads its own process group and is a child subreaper. On timeout the
     child and everything below it are killed before this returns, so no part of the gate keeps running."""
@@ -31,7 +42,7 @@ def run_in_process(name: str, fn: Callable[[], GateResult], timeout_s: float) ->
             try:
                 res = fn()
             except BaseException as e:  # anything the gate raises is its failure, reported as such
-                res = GateResult(name, FAIL, f"gate error: {type(e).__name__}: {e}"[:2000])
+                res = GateResult(name, FAIL, gate_error(e)[:2000])
             kill_leftovers()
             data = json.dumps(asdict(res), default=str).encode()
             if len(data) > RESULT_LIMIT:

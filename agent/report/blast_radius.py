@@ -243,18 +243,23 @@ def summary_line(amap: AllocationMap) -> str:
 RAIL_WIDTH = 14
 
 
-def render_gpus(amap: AllocationMap, v: Verdict | None = None, rails: RailView | None = None) -> str:
+def render_gpus(
+    amap: AllocationMap, v: Verdict | None = None, rails: RailView | None = None, wide: bool = False
+) -> str:
     """The `gpu-ready gpus` table: one row per physical GPU, then the summary line. With `rails` (the InfiniBand
     probe's report, on a node that has rails) a RAIL column names each GPU's NIC, `DOWN` after a rail that is."""
     health = {a: g for g in (v.gpus if v else ()) if (a := _address(g)) is not None}
     with_rail = rails is not None and bool(rails.gpu_rails)
-    out = [HEADER.replace(" PODS", f" {'RAIL':<{RAIL_WIDTH}} PODS") if with_rail else HEADER]
+    uuid_width = max([13, *(len(g.uuid or "") for g in amap.gpus)]) if wide else 13  # -o wide: whole UUIDs
+    header = HEADER.replace(f"{'UUID':<13}", f"{'UUID':<{uuid_width}}")
+    out = [header.replace(" PODS", f" {'RAIL':<{RAIL_WIDTH}} PODS") if with_rail else header]
     for g in amap.gpus:
         idx = "-" if g.index is None else str(g.index)
         bus = g.gpu.nvml if g.gpu is not None else "-"
         rail = f"{rails.rail_of(g.gpu):<{RAIL_WIDTH}} " if with_rail and rails is not None else ""
+        uuid = (g.uuid or "-") if wide else short_uuid(g.uuid)
         out.append(
-            f"{idx:<6} {bus:<17} {short_uuid(g.uuid):<13} {g.sharing:<9} {g.slots:>5} {g.allocated:>4} "
+            f"{idx:<6} {bus:<17} {uuid:<{uuid_width}} {g.sharing:<9} {g.slots:>5} {g.allocated:>4} "
             f"{g.state:<8} {_health(g, health):<9} {_remedy(g, health):<15} {rail}{pods_cell(g)}"
         )
     if not amap.gpus:

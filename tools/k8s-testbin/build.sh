@@ -5,9 +5,11 @@
 #
 #   tools/k8s-testbin/build.sh            # build what is missing, print the bin dir
 #   tools/k8s-testbin/build.sh demo       # only what `make demo` starts: kube-apiserver, etcd, kube-scheduler
+#   tools/k8s-testbin/build.sh oldest     # also kube-apiserver at K8S_OLDEST_VERSION; prints a bin dir with it
+#                                         # and every other binary of the current one (GPU_READY_TESTBIN_DIR)
 #   GPU_READY_TESTBIN=/path  ...          # override the cache root
-# Two runs at once (two `make` targets, CI beside a developer) take turns on a lock in the cache root; each
-# build writes to a temporary name of its own and renames it into place, so a binary is whole or absent.
+# A run whose binaries are all cached returns at once, before the lock. Two runs that build (two `make` targets,
+# CI beside a developer) take turns on a lock in the cache root; each build writes to a temporary name of its own and renames it into place, so a binary is whole or absent.
 set -euo pipefail
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 
@@ -21,7 +23,48 @@ bin="$cache_root/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-helm-$HELM_VERSION"
 mkdir -p "$bin"
 log() { echo "[k8s-testbin] $*" >&2; }
 only=${1:-all}
-case "$only" in all | demo) ;; *) echo "usage: $0 [all|demo]" >&2; exit 2 ;; esac
+case "$only" in all | demo | oldest) ;; *) echo "usage: $0 [all|demo|oldest]" >&2; exit 2 ;; esac
+if [ "$only" = oldest ]; then
+  # The oldest claimed minor: its kube-apiserver beside the current etcd (etcd 3.x serves both) and tools.
+  # kube-controller-manager, kube-scheduler and kubelet stay at the current minor: only the apiserver's
+  # admission and API behaviour are tested at the old minor (the tests that need the others skip there).
+  "$0" all >/dev/null
+  OLDEST=$(awk -F'"' '/^K8S_OLDEST_VERSION=/{print $2}' "$here/versions.env")
+  old="$cache_root/k8s-$OLDEST-apiserver"
+  combo="$bin-apiserver-$OLDEST"
+  mkdir -p "$old" "$combo"
+  if [ ! -x "$old/kube-apiserver" ]; then
+    exec 9>"$cache_root/.build.lock"
+    flock 9
+    if [ ! -x "$old/kube-apiserver" ]; then
+      log "kube-apiserver $OLDEST: building (first time on this machine; cached afterwards)"
+      start=$SECONDS
+      (cd "$here/k8s-1.32" && go build -trimpath -ldflags "-s -w -X k8s.io/component-base/version.gitVersion=v$OLDEST \
+        -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$(echo "$OLDEST" | cut -d. -f2)" \
+        -o "$old/kube-apiserver.tmp.$$" k8s.io/kubernetes/cmd/kube-apiserver)
+      mv "$old/kube-apiserver.tmp.$$" "$old/kube-apiserver"
+      log "kube-apiserver $OLDEST: built in $((SECONDS - start)) s"
+    fi
+  fi
+  for f in "$bin"/*; do [ "$(basename "$f")" = kube-apiserver ] || ln -sfn "$f" "$combo/"; done
+  ln -sfn "$old/kube-apiserver" "$combo/kube-apiserver"
+  echo "$combo"
+  exit 0
+fi
+# Everything this run needs already built: no lock to wait for (another run may be building the rest).
+cached() {
+  local names=(kube-apiserver etcd kube-scheduler)
+  if [ "$only" = all ]; then names+=(kube-controller-manager kubelet helm promtool prometheus); fi
+  for n in "${names[@]}"; do [ -x "$bin/$n" ] || return 1; done
+  if [ "$only" = all ]; then
+    [ "$(cat "$bin/helm.kube-version" 2>/dev/null)" = "1.$MINOR" ] || return 1
+    [ -f "$bin/crds/monitoring.coreos.com_prometheusrules.yaml" ] || return 1
+  fi
+}
+if cached; then
+  echo "$bin"
+  exit 0
+fi
 exec 9>"$cache_root/.build.lock"
 if ! flock -n 9; then
   log "another build holds $cache_root/.build.lock; waiting for it"

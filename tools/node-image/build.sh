@@ -23,6 +23,12 @@ for cmd in podman runc mmdebstrap gcc; do
   command -v "$cmd" >/dev/null || { echo "node-image: $cmd not found (apt-get install podman runc mmdebstrap gcc)" >&2; exit 2; }
 done
 mkdir -p "$cache"
+# Two runs at once take turns (podman's store and the archives are shared); the second finds them built.
+exec 9>"$cache/.build.lock"
+if ! flock -n 9; then
+  log "another build holds $cache/.build.lock; waiting for it"
+  flock 9
+fi
 # podman on a cgroup v1 (hybrid) host without CAP_SYS_RESOURCE: crun refuses hybrid cgroups (runc works), and
 # the default rlimits cannot be raised (explicit low ones can be set).
 podman_run_opts=(--runtime runc --ulimit nofile=1024:1024 --ulimit nproc=1024:1024)

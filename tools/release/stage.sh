@@ -92,6 +92,12 @@ grep -q '"light": true, "whole_client": false' <<<"$facts" ||
 image_version=$(sed -E 's/.*"version": "([^"]*)".*/\1/' <<<"$facts")
 [ "$image_version" = "$version" ] || log "note: the image's agent reports version $image_version, the chart says $version"
 log "image: gpu-ready $image_version, light Kubernetes client path on"
+contents=$(in_image - <"$repo/tools/release/image_facts.py") || fail "could not read the image's contents ($image)"
+fact() { sed -E "s/.*\"$1\": ([0-9]+).*/\1/" <<<"$contents"; }
+grep -q '"packaging_tools": \[\]' <<<"$contents" ||
+  fail "packaging tools in the image's runtime environment: $(sed -E 's/.*"packaging_tools": //' <<<"$contents")"
+image_line="$(( $(fact bytes) / 1048576 )) MiB uncompressed ($(fact files) files), $(fact debian_packages) Debian and $(fact python_packages) Python packages, no pip/setuptools/wheel"
+log "image contents: $image_line"
 
 {
   echo "version:    $version"
@@ -101,4 +107,5 @@ log "image: gpu-ready $image_version, light Kubernetes client path on"
   echo "sbom:       $out/sbom.cdx.json"
   echo "            $sbom_summary"
   echo "light path: on (gpu-ready $image_version in the image)"
+  echo "contents:   $image_line"
 } | tee "$out/summary.txt"

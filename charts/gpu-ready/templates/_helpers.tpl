@@ -18,17 +18,18 @@ fullnameOverride, else <release>-<name> (only <release> when it already contains
 {{- end -}}
 {{- end -}}
 
+{{- /* Label values quoted: a release named y, on, no or 1 is a string, not a YAML boolean or number. */ -}}
 {{- define "gpu-ready.labels" -}}
-app.kubernetes.io/name: {{ include "gpu-ready.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/name: {{ include "gpu-ready.name" . | quote }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/managed-by: {{ .Release.Service | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | quote }}
 {{- end -}}
 
 {{- define "gpu-ready.selectorLabels" -}}
-app.kubernetes.io/name: {{ include "gpu-ready.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/name: {{ include "gpu-ready.name" . | quote }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- end -}}
 
 {{- define "gpu-ready.serviceAccountName" -}}
@@ -41,11 +42,23 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- /* The image: repository@digest when image.digest is set (a release's chart pins the digest it pushed), else
 repository:tag (tag defaults to the chart's appVersion). */ -}}
+{{- /* global.imageRegistry (an umbrella chart's mirror) replaces the registry of image.repository: its first
+path part when that names a host (has a dot or a port, or is localhost), else it is put in front. */ -}}
 {{- define "gpu-ready.image" -}}
+{{- $repo := .Values.image.repository -}}
+{{- $registry := get (.Values.global | default dict) "imageRegistry" | default "" | toString -}}
+{{- if $registry -}}
+{{- $parts := splitList "/" $repo -}}
+{{- $host := first $parts -}}
+{{- if and (gt (len $parts) 1) (or (contains "." $host) (contains ":" $host) (eq $host "localhost")) -}}
+{{- $repo = join "/" (rest $parts) -}}
+{{- end -}}
+{{- $repo = printf "%s/%s" (trimSuffix "/" $registry) $repo -}}
+{{- end -}}
 {{- if .Values.image.digest -}}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- printf "%s@%s" $repo .Values.image.digest -}}
 {{- else -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- printf "%s:%s" $repo (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 {{- end -}}
 
