@@ -21,13 +21,15 @@ dev: $(STAMP)
 testbin:
 	tools/k8s-testbin/build.sh >/dev/null
 
-## test: every test, against the real kube-apiserver + etcd, the real-node tests (make e2e) included
+## test: every test, against the real kube-apiserver + etcd, the real-node tests (make e2e) included, then the
+##   admission-policy matrix and the agent's end-to-end tests again on the oldest claimed minor (make test-oldest)
 test: dev testbin
 	tools/containerd/build.sh >/dev/null
 	$(BIN)/python -m pytest -q
+	$(MAKE) --no-print-directory test-oldest
 
 ## test-oldest: the admission-policy matrix and the agent's end-to-end tests on kube-apiserver at the oldest minor the
-##   chart claims (K8S_OLDEST_VERSION in tools/k8s-testbin/versions.env; built once, then cached); not part of CI
+##   chart claims (K8S_OLDEST_VERSION in tools/k8s-testbin/versions.env; built once, then cached); part of make test
 OLDEST_TESTS := tests/test_security.py tests/test_security_bounds.py tests/test_agent_e2e.py tests/test_uninstall.py
 test-oldest: dev testbin
 	GPU_READY_TESTBIN_DIR=$$(tools/k8s-testbin/build.sh oldest) $(BIN)/python -m pytest -q -rs $(OLDEST_TESTS)
