@@ -38,8 +38,14 @@ def test_healthy_node_reports_true_next_to_kubelet_ready(admin, agent_factory):
     node = admin.get_node(a.node)
     assert condition(node, "Ready")["reason"] == "KubeletReady"  # untouched
     assert a.http("/readyz")[0] == 200 and a.http("/healthz")[0] == 200
-    ev = events_for(admin, a.node)
-    assert any(e["reason"] == "GPUsHealthy" and e["reportingController"] == "gpu-ready" for e in ev)
+    # Events go out on their own thread, after the condition: wait for it (bounded) rather than read once
+    wait_for(
+        lambda: any(
+            e["reason"] == "GPUsHealthy" and e["reportingController"] == "gpu-ready" for e in events_for(admin, a.node)
+        ),
+        30,
+        what="the GPUsHealthy Event",
+    )
 
 
 def test_err_field_then_xid79_then_recovery_and_transition_times(admin, agent_factory, simhost):
