@@ -1,0 +1,326 @@
+"""`gpu-ready capture` and `gpu-ready check --replay` on the simulated node: a bundle captured there replays to the
+verdict the live check gave (healthy, ERR!, Xid 79, a GPU missing from nvidia-smi, NVML faults recorded through the
+NVML seam), with identifiers redacted; a bad bundle is one line and exit 2."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+
+import pytest
+
+from agent import bundle as bundle_mod
+from agent import capture as capture_mod
+from agent import cli
+from testkit.fakes import fake_nvml
+
+KEYS = ("status", "reason", "message", "gpus", "counts")
+
+
+def run_cli(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def live(capsys, simhost, *extra):
+    rc, out, err = run_cli(capsys, "check", "--json", *simhost.check_args(), *extra)
+    assert rc in (0, 1, 3), err
+    return rc, json.loads(out)
+
+
+def capture(capsys, simhost, path, *extra, args=None):
+    rc, out, err = run_cli(capsys, "capture", "-o", str(path), *(args or simhost.check_args()), *extra)
+    assert rc == 0, err
+    assert out.strip() == str(path)
+    assert "gpu-ready capture: wrote" in err and "Traceback" not in err
+    return err
+
+
+def replay(capsys, path, *extra):
+    rc, out, err = run_cli(capsys, "check", "--json", "--replay", str(path), *extra)
+    assert rc in (0, 1, 3), err
+    return rc, json.loads(out), err
+
+
+def same(a, b):
+    return {k: a[k] for k in KEYS} == {k: b[k] for k in KEYS}
+
+
+@pytest.mark.parametrize("form", ["dir", "tar.gz"])
+@pytest.mark.parametrize("state", ["healthy", "err", "xid79", "missing"])
+def test_sim_bundle_replays_to_the_live_verdict(capsys, simhost, tmp_path, state, form):
+    if state == "err":
+        simhost.set_smi(err={1: ("Fan", "Temp")})
+    elif state == "xid79":
+        simhost.append_xid(79, gpu=5)
+    elif state == "missing":
+        simhost.set_smi(hidden=(3,))
+    rc_live, want = live(capsys, simhost)
+    path = tmp_path / ("bundle" if form == "dir" else "bundle.tar.gz")
+    capture(capsys, simhost, path)
+    rc, got, err = replay(capsys, path)
+    assert (rc, got["status"], got["reason"]) == (rc_live, want["status"], want["reason"])
+    assert same(got, want), (got["message"], want["message"])
+    assert "not captured" not in err  # a capture holds every source these settings read
+    expect = {"healthy": "GPUsHealthy", "err": "NvidiaSmiErr", "xid79": "FatalXid", "missing": "GPUCountMismatch"}
+    assert want["reason"] == expect[state]
+    meta = bundle_mod.load(str(path)).meta
+    assert meta["verdict"]["status"] == want["status"] and meta["captured"]["redacted"] is True
+
+
+def test_replay_takes_the_bundles_settings_unless_flags_override(capsys, simhost, tmp_path):
+    simhost.set_smi(hidden=(3,))
+    path = tmp_path / "b"
+    capture(capsys, simhost, path, "--expected-gpus", "8")
+    _, got, _ = replay(capsys, path)
+    assert "expected 8 GPUs, found 7" in got["message"]
+    _, got, _ = replay(capsys, path, "--expected-gpus", "7")
+    assert "expected 8" not in got["message"]
+
+
+def _nvml_gpus(simhost, **first):
+    gpus = [{"busId": g.address.nvml, "remap": (0, 0, False, False), "links": [1] * 18} for g in simhost.gpus]
+    gpus[0].update(first)
+    return gpus
+
+
+@pytest.mark.parametrize(
+    "fault,reason,words",
+    [
+        ({}, "GPUsHealthy", "8 GPUs healthy"),
+        ({"remap": (0, 3, False, True)}, "NvmlHealth", "row remapping failed"),
+        ({"recovery": 2}, "NvmlHealth", "GPU recovery action: node reboot"),
+        ({"handle_error": 15}, "NvmlHealth", "fell off the bus"),
+        ({"fabric": {"state": 3, "status": 0, "health": 1}}, "GPUDegraded", "Bandwidth: Degraded"),
+        ({"fabric": {"state": 1, "status": 0}}, "FabricNotReady", "fabric state Not Started"),
+    ],
+)
+def test_nvml_readings_replay_through_the_same_probe(capsys, simhost, tmp_path, monkeypatch, fault, reason, words):
+    """The capture judges the node through the recording NVML backend; the replay runs the same NVML probe code on
+    the record and reaches the verdict the live library gave."""
+    lib = fake_nvml(_nvml_gpus(simhost, **fault))
+    monkeypatch.setattr(capture_mod, "_pynvml", lambda: lib)
+    args = [a for a in simhost.check_args() if a not in ("--nvml", "off")]
+    path = tmp_path / "b.tar.gz"
+    capture(capsys, simhost, path, args=args)
+    meta = bundle_mod.load(str(path)).meta
+    assert meta["verdict"]["reason"] == reason and words in meta["verdict"]["message"]
+    _, got, err = replay(capsys, path)
+    assert (got["reason"], got["message"]) == (reason, meta["verdict"]["message"])
+    assert "NVML readings not captured" not in err
+    record = json.loads(bundle_mod.load(str(path)).files["nvml.json"])
+    assert len(record["gpus"]) == 8 and all(g["calls"] for g in record["gpus"])
+
+
+def test_nvml_call_missing_from_the_record_is_said(capsys, simhost, tmp_path, monkeypatch):
+    lib = fake_nvml(_nvml_gpus(simhost))
+    monkeypatch.setattr(capture_mod, "_pynvml", lambda: lib)
+    args = [a for a in simhost.check_args() if a not in ("--nvml", "off")]
+    path = tmp_path / "b"
+    capture(capsys, simhost, path, args=args)
+    record = json.loads((path / "nvml.json").read_text())
+    for g in record["gpus"]:
+        g["calls"] = [c for c in g["calls"] if c["call"] != "nvmlDeviceGetRemappedRows"]
+    (path / "nvml.json").write_text(json.dumps(record))
+    _, got, err = replay(capsys, path)
+    assert got["status"] == "True"
+    assert "NVML readings not captured (answered NOT_SUPPORTED): 8 (nvmlDeviceGetRemappedRows" in err
+
+
+def test_redaction_keeps_the_verdict(capsys, simhost, tmp_path, monkeypatch):
+    lib = fake_nvml(_nvml_gpus(simhost))
+    monkeypatch.setattr(capture_mod, "_pynvml", lambda: lib)
+    args = [a for a in simhost.check_args() if a not in ("--nvml", "off")]
+    path, kept = tmp_path / "r", tmp_path / "k"
+    capture(capsys, simhost, path, args=args)
+    capture(capsys, simhost, kept, "--no-redact", args=args)
+    uuids = [u for _, u, _ in simhost.gpu_uuids()]
+    text = "".join(p.read_text(errors="replace") for p in path.rglob("*") if p.is_file())
+    assert not any(u in text for u in uuids) and not any(u[4:] in text for u in uuids)
+    assert any(u in (kept / "nvlink-s.txt").read_text() for u in uuids)
+    _, a, _ = replay(capsys, path)
+    _, b, _ = replay(capsys, kept)
+    assert same(a, b)
+
+
+def test_redactor_replaces_each_value_by_one_stand_in():
+    r = capture_mod.Redactor(("gpu-node-7",))
+    s = (
+        "GPU-1c7e6a3e-0f6c-4b3c-9d8e-3a6a1b2c3d4e on gpu-node-7 10.2.3.4 fe80::1 aa:bb:cc:dd:ee:ff\n"
+        "    Serial Number : 1652823045678\nGPU-1c7e6a3e-0f6c-4b3c-9d8e-3a6a1b2c3d4e 00000000:19:00.0 535.129.03\n"
+    )
+    out = r.text(s)
+    assert "gpu-node-7" not in out and "10.2.3.4" not in out and "fe80::1" not in out and "aa:bb" not in out
+    assert "1652823045678" not in out and "1c7e6a3e" not in out
+    assert "00000000:19:00.0" in out and "535.129.03" in out
+    first, second = (line.split()[0] for line in (out.splitlines()[0], out.splitlines()[2]))
+    assert first == second and first.startswith("GPU-")
+
+
+def test_capture_without_a_gpu_is_one_bundle_not_a_traceback(capsys, tmp_path):
+    path = tmp_path / "b"
+    rc, _, err = run_cli(
+        capsys,
+        "capture",
+        "-o",
+        str(path),
+        "--nvidia-smi",
+        str(tmp_path / "none"),
+        "--sysfs-root",
+        str(tmp_path / "nosys"),
+        "--dev-root",
+        str(tmp_path / "nodev"),
+        "--kmsg",
+        str(tmp_path / "nokmsg"),
+        "--nvml",
+        "off",
+    )
+    assert rc == 0 and "Traceback" not in err
+    rc, _out, err = run_cli(capsys, "check", "--replay", str(path))
+    assert rc == 3 and "Traceback" not in err  # nvidia-smi was not found: could not check, as live
+
+
+def test_capture_refuses_to_overwrite(capsys, simhost, tmp_path):
+    (tmp_path / "b").mkdir()
+    rc, _, err = run_cli(capsys, "capture", "-o", str(tmp_path / "b"), *simhost.check_args())
+    assert rc == 2 and err.count("\n") == 1 and "exists" in err
+
+
+# -- bad bundles: one line, exit 2 ----------------------------------------------------------------------------
+
+
+def _tar(path, members):
+    """members: (name, kind, data/target)."""
+    with tarfile.open(path, "w:gz") as tf:
+        for name, kind, payload in members:
+            ti = tarfile.TarInfo(name)
+            if kind == "file":
+                ti.size = len(payload)
+                tf.addfile(ti, io.BytesIO(payload))
+            elif kind == "sym":
+                ti.type, ti.linkname = tarfile.SYMTYPE, payload
+                tf.addfile(ti)
+            elif kind == "hard":
+                ti.type, ti.linkname = tarfile.LNKTYPE, payload
+                tf.addfile(ti)
+            elif kind == "chr":
+                ti.type, ti.devmajor, ti.devminor = tarfile.CHRTYPE, 1, 3
+                tf.addfile(ti)
+    return path
+
+
+META = json.dumps({"format": bundle_mod.FORMAT, "settings": {}}).encode()
+
+
+@pytest.mark.parametrize(
+    "members,words",
+    [
+        ([("bundle.json", "sym", "/etc/passwd")], "symbolic link outside"),
+        ([("bundle.json", "file", META), ("sys/x", "sym", "../../etc")], "points outside sys/"),
+        ([("bundle.json", "file", META), ("sys/x", "sym", "/etc")], "points outside the bundle"),
+        ([("bundle.json", "file", META), ("../evil", "file", b"x")], "leaves the bundle"),
+        ([("bundle.json", "file", META), ("/abs", "file", b"x")], "absolute path"),
+        ([("bundle.json", "file", META), ("sys/h", "hard", "bundle.json")], "not a regular file"),
+        ([("bundle.json", "file", META), ("dev/null", "chr", None)], "not a regular file"),
+        ([("bundle.json", "file", META), ("sys/l", "sym", "d"), ("sys/l/f", "file", b"x")], "below a symbolic link"),
+        (
+            [
+                ("bundle.json", "file", META),
+                ("sys/p/q", "sym", ".."),
+                ("sys/r", "sym", "p/q/.."),
+                ("sys/w", "sym", "r/.."),
+            ],
+            "resolves outside sys/",
+        ),
+        ([("bundle.json", "file", b"{not json")], "bundle.json is not JSON"),
+        ([("bundle.json", "file", b'{"format": "other"}')], "expected 'gpu-ready-bundle/1'"),
+        ([("x.txt", "file", b"x")], "no bundle.json"),
+        ([("bundle.json", "file", META), ("nvml.json", "file", b'{"format": "x"}')], "nvml.json: not a"),
+        ([("bundle.json", "file", META), ("runs.json", "file", b"[]")], "runs.json: not a"),
+        ([("bundle.json", "file", META), ("dev.json", "file", b'{"nodes": [{"name": "../x"}]}')], "bad device"),
+        (
+            [("bundle.json", "file", json.dumps({"format": bundle_mod.FORMAT, "settings": {"noSuch": 1}}).encode())],
+            "unknown setting",
+        ),
+        (
+            [
+                (
+                    "bundle.json",
+                    "file",
+                    json.dumps({"format": bundle_mod.FORMAT, "settings": {"pollInterval": "x"}}).encode(),
+                )
+            ],
+            "poll",
+        ),
+    ],
+)
+def test_hostile_or_broken_bundle_is_one_line(capsys, tmp_path, members, words):
+    path = _tar(tmp_path / "b.tar.gz", members)
+    rc, out, err = run_cli(capsys, "check", "--replay", str(path))
+    assert rc == 2 and out == "", err
+    assert err.count("\n") == 1 and words in err, err
+    assert not (tmp_path.parent / "evil").exists()
+
+
+def test_corrupted_truncated_and_oversized_archives(capsys, simhost, tmp_path, monkeypatch):
+    good = tmp_path / "good.tar.gz"
+    capture(capsys, simhost, good)
+    data = good.read_bytes()
+    cases = {
+        "garbage.tar.gz": os.urandom(4096),
+        "truncated.tar.gz": data[: len(data) // 2],
+        "flipped.tar.gz": data[:200] + bytes(b ^ 0xFF for b in data[200:400]) + data[400:],
+        "empty.tar.gz": b"",
+    }
+    for name, payload in cases.items():
+        (tmp_path / name).write_bytes(payload)
+        rc, _out, err = run_cli(capsys, "check", "--replay", str(tmp_path / name))
+        assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, (name, err)
+    big = tmp_path / "big.tar.gz"
+    with open(big, "wb") as fh:
+        fh.truncate(bundle_mod.MAX_ARCHIVE + 1)  # sparse: no disk used
+    rc, _, err = run_cli(capsys, "check", "--replay", str(big))
+    assert rc == 2 and "larger than" in err
+    rc, _, err = run_cli(capsys, "check", "--replay", str(tmp_path / "absent"))
+    assert rc == 2 and "No such file" in err
+
+
+def test_tar_bomb_and_too_many_members(capsys, tmp_path, monkeypatch):
+    bomb = tmp_path / "bomb.tar.gz"
+    with tarfile.open(bomb, "w:gz") as tf:
+        ti = tarfile.TarInfo("bundle.json")
+        ti.size = len(META)
+        tf.addfile(ti, io.BytesIO(META))
+        ti = tarfile.TarInfo("huge.txt")
+        ti.size = bundle_mod.MAX_FILE + 1
+        tf.addfile(ti, io.BytesIO(bytes(ti.size)))  # zeros: a few KiB compressed
+    assert bomb.stat().st_size < 1 << 20
+    rc, _, err = run_cli(capsys, "check", "--replay", str(bomb))
+    assert rc == 2 and "larger than" in err
+    monkeypatch.setattr(bundle_mod, "MAX_MEMBERS", 10)
+    many = _tar(
+        tmp_path / "many.tar.gz", [("bundle.json", "file", META)] + [(f"f{i}", "file", b"x") for i in range(11)]
+    )
+    rc, _, err = run_cli(capsys, "check", "--replay", str(many))
+    assert rc == 2 and "more than 10 entries" in err
+    monkeypatch.setattr(bundle_mod, "MAX_TOTAL", 100)
+    big = _tar(tmp_path / "total.tar.gz", [("bundle.json", "file", META), ("a", "file", bytes(200))])
+    rc, _, err = run_cli(capsys, "check", "--replay", str(big))
+    assert rc == 2 and "unpacked" in err
+
+
+def test_directory_bundle_with_an_escaping_link_or_a_fifo(capsys, tmp_path):
+    d = tmp_path / "b"
+    d.mkdir()
+    (d / "bundle.json").write_bytes(META)
+    (d / "sys").mkdir()
+    (d / "sys" / "x").symlink_to("/etc")
+    rc, _, err = run_cli(capsys, "check", "--replay", str(d))
+    assert rc == 2 and "points outside the bundle" in err
+    (d / "sys" / "x").unlink()
+    os.mkfifo(d / "fifo")
+    rc, _, err = run_cli(capsys, "check", "--replay", str(d))
+    assert rc == 2 and "not a regular file" in err
