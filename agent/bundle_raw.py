@@ -182,17 +182,73 @@ def _nvml_error_code(words: str) -> int:
     return int(getattr(pynvml, name, 999))
 
 
-def nvml_from_smi_q(q_text: str, nvlink_text: str | None = None, table_text: str | None = None) -> dict[str, Any]:
+def nvlink_names(text: str) -> dict[int, str]:
+    """The GPU names `nvlink -s` prints (`GPU 6: NVIDIA A100-SXM4-80GB (UUID: ...)`), by index."""
+    out = {}
+    for line in _lines(text):
+        m = re.match(r"^GPU (\d{1,4}): (.{1,80}?)(?: \(UUID: [^)]{0,80}\))?$", line.strip())
+        if m:
+            out[int(m[1])] = m[2].strip()
+    return out
+
+
+def gpus_without_q(table_text: str | None, lspci_text: str | None) -> list[tuple[str, dict[str, str]]]:
+    """The GPUs in NVML's index order where no `nvidia-smi -q` was published: the table's (by index), else lspci's
+    NVIDIA display functions in PCI bus order (the order NVML enumerates them)."""
+    if table_text is not None:
+        table = parse_smi_table(table_text)
+        if table.gpus:
+            return [(g.address.nvml, {"Product Name": g.name}) for g in sorted(table.gpus, key=lambda g: g.index)]
+    if lspci_text is not None:
+        fns = pci_from_lspci(lspci_text)
+        gpus = sorted(n for n, f in fns.items() if f["vendor"] == 0x10DE and f["class"] >> 16 == 0x03)
+        return [(PciAddress.parse(n).nvml if PciAddress.parse(n) else n, {}) for n in gpus]
+    return []
+
+
+def nvml_from_raw(
+    q_text: str | None,
+    nvlink_text: str | None = None,
+    table_text: str | None = None,
+    lspci_text: str | None = None,
+    dmesg_text: str | None = None,
+) -> dict[str, Any] | None:
+    """An NVML record from the raw views: `nvidia-smi -q` (nvml_from_smi_q); without it, the NVLink states of
+    `nvlink -s` on the GPUs of the table or lspci. None when neither -q nor nvlink -s is there (NVML's readings
+    would then say nothing the other probes do not)."""
+    if q_text is not None:
+        return nvml_from_smi_q(q_text, nvlink_text, table_text, driver=driver_version(table_text, dmesg_text))
+    if nvlink_text is None:
+        return None
+    gpus = gpus_without_q(table_text, lspci_text)
+    if not gpus:
+        return None
+    return nvml_from_smi_q("", nvlink_text, table_text, gpus=gpus, driver=driver_version(table_text, dmesg_text))
+
+
+def nvml_from_smi_q(
+    q_text: str,
+    nvlink_text: str | None = None,
+    table_text: str | None = None,
+    gpus: list[tuple[str, dict[str, str]]] | None = None,
+    driver: str | None = None,
+) -> dict[str, Any]:
     """An NVML record (agent/bundle_nvml.py) of what `nvidia-smi -q` (and `nvlink -s`, and the table's MIG devices)
-    show; each GPU in the order -q lists them, which is NVML's index order."""
-    top, gpus = parse_smi_q_sections(q_text)
+    show; each GPU in the order -q lists them, which is NVML's index order (`gpus`: that list from elsewhere)."""
+    top, from_q = parse_smi_q_sections(q_text)
+    gpus = from_q if gpus is None else gpus
     links = parse_nvlink_status(nvlink_text) if nvlink_text is not None else {}
+    names = nvlink_names(nvlink_text) if nvlink_text is not None else {}
+    for i, (_, keys) in enumerate(gpus):
+        if "Product Name" not in keys and i in names:
+            keys["Product Name"] = names[i]
     mig_devices: dict[PciAddress, int] = {}
     if table_text is not None:
         mig_devices = {g.address: g.mig_devices for g in parse_smi_table(table_text).gpus}
     system = [_call("nvmlInit", [], value=None)]
-    if "Driver Version" in top:
-        system.append(_call("nvmlSystemGetDriverVersion", [], value=top["Driver Version"]))
+    # The probe reads the driver version with the GPU count: where no text names it, an empty answer (says nothing).
+    version = top.get("Driver Version") or driver or ""
+    system.append(_call("nvmlSystemGetDriverVersion", [], value=version))
     system.append(_call("nvmlDeviceGetCount", [], value=len(gpus)))
     out = []
     for i, (bus, keys) in enumerate(gpus):
@@ -474,33 +530,78 @@ def infiniband_from_ibv_devinfo(text: str) -> dict[str, bytes]:
 # -- kernel log -------------------------------------------------------------------------------------------
 
 _BRACKET_TS = re.compile(r"^\[\s{0,12}(\d{1,10})\.(\d{1,9})\]\s?")
+_BRACKET_CTIME = re.compile(r"^\[([A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d{2}:\d{2}:\d{2} \d{4})\]\s?")
 _BRACKET_ANY = re.compile(r"^\[[^\]]{1,40}\]\s?")
-_ISO_TS = re.compile(r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}[^ ]{0,20}\s")
+_ISO_TS = re.compile(r"(\d{4}-\d{2}-\d{2})[T ](\d{2}:\d{2}:\d{2})(?:[.,](\d{1,9}))?([+-]\d{2}:?\d{2}|Z)?\s")
+_SYSLOG_TS = re.compile(r"^([A-Z][a-z]{2} [ \d]\d \d{2}:\d{2}:\d{2}) ")
+_FACILITY = re.compile(r"^[a-z]{2,8}\s{0,2}:[a-z]{2,8}\s{0,2}: ")  # dmesg -x: "kern  :warn  : "
 _KERNEL = re.compile(r"^.{0,120}?\bkernel:\s?")
 MAX_RECORDS = 100_000
 
 
+def _wall_seconds(line: str) -> tuple[float | None, str]:
+    """A wall-clock stamp at the line's head (ISO, `[Mon Jan 20 10:18:26 2025]`, syslog `Jan 20 10:18:26`) in
+    seconds, and the line without it."""
+    from datetime import datetime, timezone
+
+    m = _ISO_TS.match(line)
+    if m:
+        try:
+            t = datetime.strptime(f"{m[1]} {m[2]}", "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+        except ValueError:
+            return None, line
+        return t + (int(m[3].ljust(6, "0")[:6]) / 1e6 if m[3] else 0.0), line[m.end() :]
+    for pattern, fmt in ((_BRACKET_CTIME, "%a %b %d %H:%M:%S %Y"), (_SYSLOG_TS, "%b %d %H:%M:%S")):
+        m = pattern.match(line)
+        if m:
+            try:
+                t = datetime.strptime(" ".join(m[1].split()), fmt).replace(tzinfo=timezone.utc).timestamp()
+            except ValueError:
+                return None, line
+            return t, line[m.end() :]
+    return None, line
+
+
 def kmsg_from_dmesg(text: str) -> str:
-    """Kernel-log lines as /dev/kmsg records: syslog and journal prefixes (`... kernel: `), ISO times and
-    `[   12.345678]` / `[Mon Jan 20 ...]` stamps taken off; the monotonic stamp kept as the record's time, else the
-    lines keep their order one millisecond apart."""
+    """Kernel-log lines as /dev/kmsg records: syslog and journal prefixes (`... kernel: `), `dmesg -x` facility
+    columns and the stamps taken off. A record's time: the monotonic `[   12.345678]` stamp where there is one, else
+    the wall-clock stamp's distance from the first one (ISO, ctime or syslog forms), else the lines keep their order
+    one millisecond apart."""
     out = []
     usec = 0
+    first: float | None = None
     for seq, line in enumerate(_lines(text)):
         if seq >= MAX_RECORDS:
             break
-        s = line.strip()
+        s = _FACILITY.sub("", line.strip(), count=1)
         if not s:
             continue
+        wall, s = _wall_seconds(s)
         s = _KERNEL.sub("", s, count=1)
-        s = _ISO_TS.sub("", s, count=1)
         m = _BRACKET_TS.match(s)
         if m:
             usec = max(usec, int(m[1]) * 1_000_000 + int(m[2].ljust(6, "0")[:6]))
             s = s[m.end() :]
+        elif wall is not None:
+            first = wall if first is None else first
+            usec = max(usec, 1_000_000 + int((wall - first) * 1e6))
+            s = _BRACKET_ANY.sub("", s, count=1)
         else:
             s = _BRACKET_ANY.sub("", s, count=1)
             usec += 1000
         if s:
             out.append(format_record(s, seq + 1, usec, 0, 3))
     return "".join(out)
+
+
+_NVRM_VERSION = re.compile(r"Kernel Module(?: for [a-z0-9_]{1,20})?\s{1,4}([0-9]{2,4}\.[0-9]{1,4}(?:\.[0-9]{1,4})?)")
+
+
+def driver_version(table_text: str | None, dmesg_text: str | None) -> str | None:
+    """The driver version where the table or the kernel log's NVRM load line names it."""
+    if table_text is not None and (v := parse_smi_table(table_text).driver_version):
+        return v
+    for line in _lines(dmesg_text or ""):
+        if "NVRM" in line and (m := _NVRM_VERSION.search(line)):
+            return m[1]
+    return None

@@ -344,13 +344,39 @@ def capture_kmsg(c: Capture, path: str, trust_user: bool, keep: int) -> None:
     c.sources.append("kmsg")
 
 
-def settings_json(cfg: config_mod.Config) -> dict[str, Any]:
-    out = {}
+def settings_json(cfg: config_mod.Config) -> tuple[dict[str, Any], list[str]]:
+    """The settings that differ from the defaults, by file key, each in a form that loads back to the same value
+    (checked); and the names of those that do not (said in bundle.json)."""
+    out: dict[str, Any] = {}
+    lost = []
     for s in config_mod.SETTINGS:
-        if s.public:
-            v = getattr(cfg, s.name)
-            out[s.file_key] = list(v) if isinstance(v, tuple | frozenset | set) else v
-    return out
+        v = getattr(cfg, s.name)
+        if not s.public or v == s.default:
+            continue
+        for form in _forms(v):
+            try:
+                if config_mod.load(None, environ={}, overrides={s.name: form}).__getattribute__(s.name) == v:
+                    out[s.file_key] = form
+                    break
+            except (config_mod.ConfigError, TypeError, ValueError):
+                continue
+        else:
+            lost.append(s.file_key)
+    return out, lost
+
+
+def _forms(v: Any) -> list[Any]:
+    """A setting's value as JSON can hold it: as it is, as a list, as a mapping of pairs, as a comma list."""
+    if not isinstance(v, tuple | list | frozenset | set):
+        return [v]
+    items = sorted(v) if isinstance(v, frozenset | set) else list(v)
+    forms: list[Any] = [items]
+    if items and all(isinstance(x, tuple) and len(x) == 2 for x in items):
+        forms.append({str(k): x for k, x in items})
+        forms.append(",".join(f"{k}={x}" for k, x in items))
+    else:
+        forms.append(",".join(str(x) for x in items))
+    return forms
 
 
 def cmd_capture(args: argparse.Namespace, judge: Callable[..., Any]) -> int:
@@ -411,7 +437,8 @@ def _capture(args: argparse.Namespace, cfg: config_mod.Config, judge: Callable[.
         capture_kmsg(c, cfg.kmsg, cfg.kmsg_trust_user, args.kmsg_records)
     names = tuple(n for n in {socket.gethostname(), cfg.node_name or "", os.environ.get("NODE_NAME", "")} if n)
     redactor = Redactor(names) if not args.no_redact else None
-    settings = settings_json(cfg)
+    settings, lost = settings_json(cfg)
+    c.skipped += [f"setting {k}: its value does not load back from JSON" for k in lost]
     meta = {
         "format": bundle_mod.FORMAT,
         "config": _config_line(verdict),

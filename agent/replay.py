@@ -34,7 +34,7 @@ from agent.bundle_raw import (
     infiniband_from_ibv_devinfo,
     infiniband_from_listing,
     kmsg_from_dmesg,
-    nvml_from_smi_q,
+    nvml_from_raw,
     pci_driver_links,
     pci_from_lspci,
     sys_from_pci,
@@ -120,9 +120,12 @@ def nvml_record(b: Bundle) -> tuple[dict[str, Any] | None, str]:
     if data is not None:
         return data, "nvml.json"
     q = b.text("nvidia-smi-q.txt")
-    if q is None:
+    record = nvml_from_raw(
+        q, b.text("nvlink-s.txt"), b.text("nvidia-smi.txt"), b.text("lspci.txt"), b.text("dmesg.txt")
+    )
+    if record is None:
         return None, ""
-    return nvml_from_smi_q(q, b.text("nvlink-s.txt"), b.text("nvidia-smi.txt")), "nvidia-smi -q"
+    return record, "nvidia-smi -q" if q is not None else "nvlink -s"
 
 
 @dataclass
@@ -324,7 +327,7 @@ def _open(args: argparse.Namespace, b: Bundle, root: str) -> Replay:
     notes = list(inputs.derived)
     cfg = config_mod.load(None, environ={}, overrides=values)
     if record is None and cfg.nvml != "off":
-        skipped[Check.NVML] = "no nvml.json or nvidia-smi -q"
+        skipped[Check.NVML] = "no nvml.json, nvidia-smi -q or nvlink -s"
     elif record_from != "nvml.json" and cfg.nvml != "off":
         notes.append(f"NVML readings from {record_from}")
     nvml: NvmlProbe | None = None
@@ -349,8 +352,8 @@ def _open(args: argparse.Namespace, b: Bundle, root: str) -> Replay:
         skipped[Check.INFINIBAND] = "no sys/class/infiniband, ibstat.txt, ibv_devinfo.txt or listing"
     if Check.NVML in skipped:
         skipped[Check.CLOCKS] = "no NVML readings"
-        if ("-q",) not in smi:
-            skipped[Check.FABRIC] = "no NVML readings or nvidia-smi -q"
+    if ("-q",) not in smi and record_from != "nvml.json" and cfg.fabric != "off":
+        skipped[Check.FABRIC] = "no nvml.json or nvidia-smi -q (the Fabric block)"
     if cfg.imex and ("-q",) not in runs.get(os.path.basename(cfg.imex_ctl), {}):
         skipped[Check.IMEX] = "no recorded nvidia-imex-ctl -q"
     if cfg.dcgm_exporter is not None:
