@@ -42,6 +42,7 @@ def nvml_reads(cfg: Config, probe: NvmlProbe) -> NvmlProbe:
     probe.read_clocks = cfg.clock_events
     probe.read_uuids = cfg.dcgm_exporter is not None or cfg.pod_resources
     probe.read_fabric = cfg.fabric in ("auto", "nvml")
+    probe.expected_nvlinks, probe.nvlink_profiles = cfg.expected_nvlinks, cfg.nvlink_profiles or ()
     return probe
 
 
@@ -89,6 +90,7 @@ def _infiniband(cfg: Config, shared: Shared) -> Probe:
         cfg.ib_rate_peers,
         FlapThresholds(cfg.ib_flap_count, cfg.ib_flap_window),
         cfg.require_gpu_direct,
+        cfg.rail_devices or (),
     )
     return InfinibandProbe(cfg.sysfs_root, thresholds=t)
 

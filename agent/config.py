@@ -225,6 +225,8 @@ class Config:
     nvml: str
     nvml_timeout: float
     nvml_nvlink: bool
+    expected_nvlinks: int | None
+    nvlink_profiles: tuple[tuple[str, int], ...] | None
     pcie: bool
     pcie_bridges: bool
     pcie_speed: bool
@@ -248,6 +250,7 @@ class Config:
     ib_flap_count: int
     ib_flap_window: float
     require_gpu_direct: bool
+    rail_devices: tuple[str, ...] | None
     fabric: str
     fabric_manager: bool
     fabric_manager_address: str | None

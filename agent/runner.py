@@ -26,7 +26,7 @@ from agent.kube.client import KubeApi, client_layer, connect
 from agent.kube.node_cache import NodeCache
 from agent.kube.slice_cache import SliceCache
 from agent.logs import get_logger
-from agent.model import Observation, Verdict
+from agent.model import Check, Observation, Verdict
 from agent.node_facts import OwnNode, Standing
 from agent.publisher import Publisher
 from agent.report.condition import ConditionReporter
@@ -60,6 +60,9 @@ class Agent:
         self.suite = CheckSuite(
             cfg, clock=clock.mono, api=self.api, kernel_log=lambda: self.kmsg.problem, latch_store=self._unsaved
         )
+        nvml_probe = self.suite.probe(Check.NVML)
+        if nvml_probe is not None:  # the NVLinks seen up in this boot outlive an agent restart
+            nvml_probe.links = self.state
         parser = KernelLogParser(XidClassifier(cfg.xid_fatal, cfg.xid_ignore, cfg.unknown_xid_fatal))
         ingest = KernelLogIngest(
             parser, self.state, m, rate=self.suite.xid_rate, clock=clock.mono, links=cfg.infiniband

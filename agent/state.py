@@ -19,7 +19,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,8 @@ from agent.settings import read_text_file
 
 STATE_VERSION = 1
 STATE_FILE_LIMIT = 16 << 20  # bytes; a node's latched faults are a few KiB
+MAX_NVLINK_GPUS = 1024  # GPUs whose links seen up are kept
+MAX_NVLINKS_PER_GPU = 64
 
 
 def read_boot_id(path: str) -> str:
@@ -76,6 +78,9 @@ class LatchState:
         self.recovery: dict[str, GpuRecovery] = {}
         self.resets: dict[str, tuple[float, ...]] = {}
         self.gpu_cleared_seq: dict[str, int] = {}
+        # The NVLinks seen up in this boot, per GPU bus id (probes/nvml.py judges a link down only when something
+        # says it should be up; one seen up earlier in the boot does): dropped with the boot.
+        self.nvlink_up: dict[str, frozenset[int]] = {}
         self.gpu_records: dict[PciAddress, int] = {}  # in memory: the newest kernel-log record (seq) naming each GPU
         self.load_problem: str | None = None  # what went wrong reading the file, for logs/metrics
         self.write_problem: str | None = None  # the last write's failure; None once a write succeeds
@@ -132,6 +137,7 @@ class LatchState:
                 self.recovery = _ladders(data.get("recovery"))
                 self.resets = _resets(data.get("resets"))
                 self.gpu_cleared_seq = {str(k): int(v) for k, v in (data.get("gpu_cleared_seq") or {}).items()}
+                self.nvlink_up = _links(data.get("nvlink_up"))
             self.save()  # the same content: proves the dir writable before the first verdict
             return "loaded"
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
@@ -172,6 +178,7 @@ class LatchState:
                 "recovery": [asdict(r) for r in self.recovery.values()],
                 "resets": {k: list(v) for k, v in self.resets.items() if v},
                 "gpu_cleared_seq": dict(self.gpu_cleared_seq),
+                "nvlink_up": {k: sorted(v) for k, v in self.nvlink_up.items()},
             }
 
     def save(self) -> bool:
@@ -272,12 +279,29 @@ class LatchState:
             self.rejected_clears = set()
             self.recovery = {}  # the ladders were about this boot's faults; the budget's resets stay
             self.gpu_cleared_seq = {}
+            self.nvlink_up = {}  # the links of the previous boot say nothing about this one
         self.save()
         return n
 
     def snapshot(self) -> list[LatchedFault]:
         with self._lock:
             return list(self.faults.values())
+
+    # -- NVLinks seen up in this boot (probes/nvml.py) ------------------------------------------------
+
+    def nvlinks_seen_up(self, gpu: str) -> frozenset[int]:
+        with self._lock:
+            return self.nvlink_up.get(gpu, frozenset())
+
+    def note_nvlinks_up(self, gpu: str, links: Collection[int]) -> None:
+        """Links of `gpu` seen up now; written when they add to what the file holds."""
+        with self._lock:
+            before = self.nvlink_up.get(gpu, frozenset())
+            after = before | frozenset(int(x) for x in links)
+            if after == before or (gpu not in self.nvlink_up and len(self.nvlink_up) >= MAX_NVLINK_GPUS):
+                return
+            self.nvlink_up[gpu] = after
+        self.save()
 
     # -- per-GPU recovery -------------------------------------------------------------------------------
 
@@ -339,6 +363,16 @@ def _ladders(raw: Any) -> dict[str, GpuRecovery]:
         )
         out[rec.gpu] = rec
     return out
+
+
+def _links(raw: Any) -> dict[str, frozenset[int]]:
+    if not isinstance(raw, dict):
+        return {}
+    return {
+        str(k)[:64]: frozenset(int(x) for x in v[:MAX_NVLINKS_PER_GPU])
+        for k, v in list(raw.items())[:MAX_NVLINK_GPUS]
+        if isinstance(v, list)
+    }
 
 
 def _resets(raw: Any) -> dict[str, tuple[float, ...]]:

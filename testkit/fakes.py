@@ -20,7 +20,8 @@ class FakeNVMLError(Exception):
 
 
 def fake_nvml(gpus, init_error=None, hang=None):
-    """gpus: list of dicts with busId, handle_error, recovery, remap=(c,u,pending,failure), links=[states];
+    """gpus: list of dicts with busId, name, mig (MIG mode on), handle_error, recovery, remap=(c,u,pending,failure),
+    links=[states], remote={link: far-end device type};
     throttle (clock event reasons mask), throttle_error (NVML error code), margin (C), util (%),
     pcie_gen / pcie_gen_cur, pcie_width / pcie_width_cur."""
     m = types.SimpleNamespace(
@@ -64,7 +65,7 @@ def fake_nvml(gpus, init_error=None, hang=None):
 
     call("nvmlDeviceGetHandleByIndex", handle)
     call("nvmlDeviceGetPciInfo", lambda h: types.SimpleNamespace(busId=gpus[h]["busId"].encode()))
-    call("nvmlDeviceGetName", lambda h: b"NVIDIA H100")
+    call("nvmlDeviceGetName", lambda h: gpus[h].get("name", "NVIDIA H100").encode())
     call(
         "nvmlDeviceGetFieldValues",
         lambda h, ids: [
@@ -78,7 +79,8 @@ def fake_nvml(gpus, init_error=None, hang=None):
         return gpus[h]["remap"]
 
     call("nvmlDeviceGetRemappedRows", remap)
-    call("nvmlDeviceGetMigMode", lambda h: (0, 0))
+    call("nvmlDeviceGetMigMode", lambda h: (1, 1) if gpus[h].get("mig") else (0, 0))
+    call("nvmlDeviceGetMaxMigDeviceCount", lambda h: 0)
 
     def link(h, i):
         links = gpus[h].get("links", [])
@@ -87,6 +89,16 @@ def fake_nvml(gpus, init_error=None, hang=None):
         return links[i]
 
     call("nvmlDeviceGetNvLinkState", link)
+
+    def remote_type(h, i):
+        """remote: {link: nvmlNvLinkDeviceType} for the links whose far end the driver names; others answer an
+        error, as a disabled link without a far end does."""
+        kinds = gpus[h].get("remote", {})
+        if i not in kinds:
+            raise FakeNVMLError(3)
+        return kinds[i]
+
+    call("nvmlDeviceGetNvLinkRemoteDeviceType", remote_type)
     # burn-in monitor: counters read from the dicts, so a test can change them between reads
     call(
         "nvmlDeviceGetTotalEccErrors", lambda h, etype, counter: gpus[h].get("ecc_unc" if etype == 1 else "ecc_cor", 0)

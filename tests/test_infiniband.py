@@ -158,10 +158,10 @@ def test_a_rail_at_half_rate_against_the_other_rails(tmp_path):
     host.set_ib_port("mlx5_5", rate="200 Gb/sec (4X HDR)")
     (f,) = full(host).read(ctx_at(0)).findings
     assert (f.kind, f.reason) == ("rail_slow", Reason.GPU_DEGRADED)
-    assert f.message == "InfiniBand rail mlx5_5 port 1 at 200 Gb/s, below 400 Gb/s (the node's other rails)"
+    assert f.message == "InfiniBand rail mlx5_5 port 1 at 200 Gb/s, below 400 Gb/s (the node's other InfiniBand rails)"
     assert full(host, rate_peers=False).read(ctx_at(0)).findings == ()  # off: only ibMinRateGbps judges
-    host.set_ib_port("mlx5_6", rate="100 Gb/sec (4X EDR)", link_layer="Ethernet")  # a RoCE port: its own layer
-    assert [f.message.split()[2] for f in full(host).read(ctx_at(0)).findings] == ["mlx5_5"]
+    host.set_ib_port("mlx5_6", rate="100 Gb/sec (4X EDR)", link_layer="Ethernet")  # a RoCE rail: its own layer
+    assert [f.message.split()[2] for f in full(host).read(ctx_at(0, host)).findings] == ["mlx5_5"]
 
 
 def test_a_flapping_rail_counters_moving_between_polls(tmp_path):
@@ -218,9 +218,16 @@ def test_a_counter_that_does_not_read_is_reported_and_the_state_still_judges(tmp
     link_downed.mkdir()  # there, but does not read (EISDIR, for root too), as a driver refusing a counter
     p = full(host, flaps=FlapThresholds(1, 600.0))
     r = p.read(ctx_at(0))
-    assert r.ran and [(f.severity, f.kind) for f in r.findings] == [(Severity.INFO, "counters_unreadable")] * 2
+    # a counter that does not read is reported; one that reads but is not a number is could not check (never True)
+    assert not r.ran and [(f.severity, f.kind) for f in r.findings] == [
+        (Severity.INFO, "counters_unreadable"),
+        (Severity.UNCHECKED, "counters_garbled"),
+    ]
     assert "symbol_error" in r.findings[1].message and "is not a number" in r.findings[1].message
+    assert decide(_obs(r), []).status is Status.UNKNOWN
     assert "symbol_error" not in r.payload.ports[7].counters and r.payload.ports[7].counters["link_downed"] == 0
+    host.set_ib_counters("mlx5_7", symbol_error=0)
+    assert p.read(ctx_at(5)).ran
     host.set_ib_port("mlx5_6", state="1: DOWN", phys_state="2: Polling")
     kinds = [f.kind for f in p.read(ctx_at(10)).findings if f.severity is Severity.FAULT]
     assert kinds == ["rail_down", "rail_flapping"]  # the down seen from the state, without its counter

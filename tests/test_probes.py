@@ -178,17 +178,18 @@ def test_unreapable_child_is_abandoned_and_no_second_one_starts(simhost, monkeyp
 
 
 def test_nvml_faults_per_gpu():
-    m = fake_nvml(
-        [
-            {"busId": "00000000:19:00.0", "remap": (0, 0, 0, 0), "links": [1] * 18},
-            {"busId": "00000000:3B:00.0", "recovery": 1},
-            {"busId": "00000000:4C:00.0", "remap": (0, 4, 1, 0)},
-            {"busId": "00000000:5D:00.0", "remap": (0, 4, 0, 1)},
-            {"busId": "00000000:9B:00.0", "links": [1, 1, 0, 1]},
-            {"busId": "00000000:BB:00.0", "handle_error": 15},
-        ]
-    )
-    f, snap = NvmlProbe("auto", nvml=m).sample()
+    gpus = [
+        {"busId": "00000000:19:00.0", "remap": (0, 0, 0, 0), "links": [1] * 18},
+        {"busId": "00000000:3B:00.0", "recovery": 1},
+        {"busId": "00000000:4C:00.0", "remap": (0, 4, 1, 0)},
+        {"busId": "00000000:5D:00.0", "remap": (0, 4, 0, 1)},
+        {"busId": "00000000:9B:00.0", "links": [1, 1, 1, 1]},
+        {"busId": "00000000:BB:00.0", "handle_error": 15},
+    ]
+    probe = NvmlProbe("auto", nvml=fake_nvml(gpus))
+    probe.sample()  # link 2 of 9B is seen up ...
+    gpus[4]["links"] = [1, 1, 0, 1]  # ... and goes down
+    f, snap = probe.sample()
     kinds = {(x.kind, x.gpu.nvml if x.gpu else None, x.severity.value) for x in f}
     assert kinds == {
         ("recovery_action", "00000000:3B:00.0", "fault"),

@@ -7,10 +7,18 @@ Formats, from the kernel's Documentation/ABI/stable/sysfs-class-infiniband: `sta
 3 ARMED, 4 ACTIVE, 5 ACTIVE_DEFER), `phys_state` "5: LinkUp" (2 Polling, 3 Disabled, 7 LinkErrorRecovery, ...),
 `rate` "400 Gb/sec (4X NDR)", `link_layer` "InfiniBand" or "Ethernet" (RoCE), each counter one decimal number.
 
+Rails and front-end ports: a rail is an RDMA device that carries GPU traffic: one whose PCI function shares a PCIe
+switch or root port with a GPU (below), one named in `railDevices` (names or globs), or, where the topology shows no
+GPU beside any device (a virtual machine), every InfiniBand-link-layer device. A virtual function (its PCI function
+has a `physfn`) is a rail only when listed. Every other port is front-end (the node's own network, a DPU, an unused
+port of a second NIC): read and shown, never judged. Every device is read (up to MAX_DEVICES; beyond that the rest
+are counted and the node is "could not check", never True).
+
 Judged GPUDegraded (the GPUs work; work over this rail does not, or slower), each naming the rail:
-- a port whose state is not ACTIVE or whose physical state is not LinkUp (`rail_down`);
-- an active port whose rate is below `ibMinRateGbps`, or, with that unset and `ibRatePeers` on, below the fastest
-  active port of the same link layer on the node (the rails of one node are one SKU) (`rail_slow`);
+- a rail whose state is not ACTIVE or whose physical state is not LinkUp (`rail_down`); every rail of the node down
+  (no usable rail left) is FabricNotReady (`rails_all_down`): no multi-node job can run;
+- an active rail whose rate is below `ibMinRateGbps`, or, with that unset and `ibRatePeers` on, below the fastest
+  active rail of the same NIC model (`hca_type`, else `board_id`) and link layer (`rail_slow`);
 - fewer InfiniBand devices than `expectedNics` (unset: not judged) (`nic_missing`);
 - a port that went down `ibFlapCount` times within `ibFlapWindow` seconds (`rail_flapping`): each increase of
   `link_downed` between two polls counts its increase, and a port seen ACTIVE at one poll and not at the next counts
@@ -19,9 +27,13 @@ Judged GPUDegraded (the GPUs work; work over this rail does not, or slower), eac
   (`gpudirect_missing`): NCCL then stages every transfer through host memory.
 A node with no InfiniBand device has nothing to judge: no finding unless `expectedNics` asks for some. A port
 whose state files exist but cannot be read or parsed is "could not check"; a counter that is absent (some RoCE
-drivers) is not read, one that exists but does not read or parse is reported (info, `counters_unreadable`): the
-port's state still judges the rail, and its flaps are then seen from state changes only. Each file read is one bounded
-read. The error counters other than `link_downed` are reported (metrics, `check --json`), not judged.
+drivers) is not read, one that exists but does not read (a driver refusing it) is reported (info,
+`counters_unreadable`): the port's state still judges the rail, and its flaps are then seen from state changes only.
+A rail's counter that reads but is not a number is "could not check" (`counters_garbled`). A counter at the top of
+its width (the kernel's PMA attributes: `link_downed` and `link_error_recovery` 8 bits, `symbol_error` and
+`port_rcv_errors` 16 bits) has saturated: reported (info, `counter_saturated`, and in `check --json`); it no longer
+moves, so that rail's flaps are seen from state changes only. Each file read is one bounded read. The error counters
+other than `link_downed` are reported (metrics, `check --json`), not judged.
 
 Each GPU's rail: the InfiniBand device whose PCI function shares the longest stretch of the GPU's sysfs path below
 the root complex (the same PCIe switch or root port; nothing shared: no rail), resolved again only when the devices
@@ -29,25 +41,32 @@ or the GPUs change. `gpu-ready gpus` shows it."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason
 from agent.probes.base import ProbeContext
-from agent.settings import DAY, Setting, in_range, optional, positive, to_bool, to_float, to_int
+from agent.settings import DAY, Setting, in_range, optional, positive, to_bool, to_float, to_int, to_str
 
 ACTIVE, LINK_UP = 4, 5
-MAX_DEVICES = 64  # InfiniBand devices judged (an 8-rail node has 8 to 10)
+MAX_DEVICES = 1024  # InfiniBand devices read per cycle (an 8-rail node has 8 to 10; SR-IOV adds one per VF)
+MAX_EXPECTED_NICS = 64  # the bound of expectedNics
+MAX_RAIL_PATTERNS = 256
+# Each counter's width in bits: the kernel's PortCounters PMA attributes (drivers/infiniband/core/sysfs.c): the value
+# stops at its maximum (saturates) instead of wrapping.
+COUNTER_BITS = {"link_downed": 8, "link_error_recovery": 8, "symbol_error": 16, "port_rcv_errors": 16}
 MAX_PORTS = 8  # ports per device judged (a ConnectX has 1 or 2)
 MAX_FLAPS = 256  # flap times kept per port (a bound on memory; the threshold is far below)
 COUNTERS = ("link_downed", "symbol_error", "port_rcv_errors", "link_error_recovery")
 _STATE = re.compile(r"^\s*(\d{1,2})\s*:\s*([A-Za-z_ ]{1,32})\s*$")
 _RATE = re.compile(r"^\s*(\d{1,5}(?:\.\d{1,3})?)\s*Gb/sec")
 _COUNTER = re.compile(r"^\s*(\d{1,20})\s*$")
+_RAIL_PATTERN = re.compile(r"^[A-Za-z0-9_.*?\[\]!-]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -59,7 +78,14 @@ class Port:
     rate_gbps: float | None  # None: the device gives no rate
     link_layer: str = ""  # "InfiniBand" / "Ethernet" (RoCE); "" when not given
     counters: Mapping[str, int] = field(default_factory=dict)  # the COUNTERS the port has
-    counter_errors: tuple[str, ...] = ()  # counters there that did not read or parse (why, one line each)
+    counter_errors: tuple[str, ...] = ()  # counters there that did not read (why, one line each)
+    nic: str = ""  # the NIC model: the device's hca_type (e.g. MT4129), else its board_id; "" when not given
+    counter_garbled: tuple[str, ...] = ()  # counters that read but are not a number (why, one line each)
+
+    @property
+    def saturated(self) -> tuple[str, ...]:
+        """The counters at the top of their width: they no longer move."""
+        return tuple(n for n, v in self.counters.items() if n in COUNTER_BITS and v >= (1 << COUNTER_BITS[n]) - 1)
 
     @property
     def rail(self) -> str:
@@ -98,10 +124,11 @@ def _state(path: str) -> tuple[int, str]:
     return int(m[1]), m[2].strip()
 
 
-def _counters(base: str) -> tuple[dict[str, int], tuple[str, ...]]:
-    """The counters that read, and why the others there did not: a driver may refuse one (EINVAL on some RoCE
-    devices); the port's state still judges the rail, so that is reported, not "could not check"."""
-    out, errors = {}, []
+def _counters(base: str) -> tuple[dict[str, int], tuple[str, ...], tuple[str, ...]]:
+    """The counters that read; why the others there did not (a driver may refuse one, EINVAL on some RoCE devices:
+    the port's state still judges the rail, so that is reported, not "could not check"); and those that read but are
+    not a number (could not check, for a rail)."""
+    out, errors, garbled = {}, [], []
     for name in COUNTERS:
         path = f"{base}/counters/{name}"
         try:
@@ -113,23 +140,46 @@ def _counters(base: str) -> tuple[dict[str, int], tuple[str, ...]]:
             continue
         m = _COUNTER.match(text)
         if m is None:
-            errors.append(f"{path}: {text[:40]!r} is not a number")
+            garbled.append(f"{path}: {text[:40]!r} is not a number")
             continue
         out[name] = int(m[1])
-    return out, tuple(errors)
+    return out, tuple(errors), tuple(garbled)
 
 
-def read_ports(root: str, counters: bool = True) -> list[Port]:
-    """Every port of every InfiniBand device under `root` (<sysfs>/class/infiniband), sorted. Raises Unreadable
-    when a port's state cannot be read; an absent `root` is no device."""
+def device_names(root: str) -> list[str]:
+    """Every device under `root` (<sysfs>/class/infiniband), sorted; an absent `root` is no device."""
     try:
-        devices = sorted(os.listdir(root))[:MAX_DEVICES]
+        return sorted(os.listdir(root))
     except FileNotFoundError:
         return []
     except OSError as e:
         raise Unreadable(f"{root}: {e.strerror}") from None
+
+
+def _nic_model(root: str, dev: str) -> str:
+    for name in ("hca_type", "board_id"):
+        try:
+            text = (_read(os.path.join(root, dev, name)) or "").strip()
+        except Unreadable:
+            continue
+        if text:
+            return text[:32]
+    return ""
+
+
+def read_ports(
+    root: str, counters: bool = True, devices: list[str] | None = None, nics: dict[str, str] | None = None
+) -> list[Port]:
+    """Every port of the InfiniBand devices under `root` (<sysfs>/class/infiniband): `devices` (default: all, up to
+    MAX_DEVICES), sorted. Raises Unreadable when a port's state cannot be read. nics: each device's NIC model, kept
+    by the caller across reads (read once per device)."""
+    if devices is None:
+        devices = device_names(root)[:MAX_DEVICES]
+    nics = {} if nics is None else nics
     out = []
     for dev in devices:
+        if dev not in nics:
+            nics[dev] = _nic_model(root, dev)
         ports_dir = os.path.join(root, dev, "ports")
         try:
             ports = sorted(os.listdir(ports_dir), key=lambda p: (len(p), p))[:MAX_PORTS]
@@ -140,22 +190,52 @@ def read_ports(root: str, counters: bool = True) -> list[Port]:
             rate = _read(os.path.join(base, "rate"))
             m = _RATE.match(rate or "")
             layer = (_read(os.path.join(base, "link_layer")) or "").strip()[:16]
-            values, errors = _counters(base) if counters else ({}, ())
+            values, errors, garbled = _counters(base) if counters else ({}, (), ())
             state, phys = _state(base + "/state"), _state(base + "/phys_state")
-            out.append(Port(dev, p, state, phys, float(m[1]) if m else None, layer, values, errors))
+            rate_gbps = float(m[1]) if m else None
+            out.append(Port(dev, p, state, phys, rate_gbps, layer, values, errors, nics[dev], garbled))
     return out
 
 
+def rail_devices(ports: Iterable[Port], affine: Iterable[str], patterns: Iterable[str] = ()) -> tuple[set[str], str]:
+    """The devices that are rails, and how they were chosen: those with GPU affinity (the topology) and those named
+    in `railDevices` (names or globs); with neither, every InfiniBand-link-layer device (a virtual machine, whose
+    PCI topology shows no GPU beside any device: its Ethernet ports are the node's own network)."""
+    devices = {p.device for p in ports}
+    listed = {d for d in devices if any(fnmatch.fnmatchcase(d, g) for g in patterns)}
+    rails = (set(affine) & devices) | listed
+    if rails:
+        return (
+            rails,
+            "topology and railDevices" if listed and rails - listed else "railDevices" if listed else "topology",
+        )
+    return {p.device for p in ports if p.link_layer == "InfiniBand"}, "InfiniBand link layer (no GPU affinity found)"
+
+
 def port_findings(
-    ports: list[Port], expected_nics: int | None, min_rate_gbps: float | None, rate_peers: bool = False
+    ports: list[Port],
+    expected_nics: int | None,
+    min_rate_gbps: float | None,
+    rate_peers: bool = False,
+    rails: Collection[str] | None = None,
 ) -> list[Finding]:
+    """The rails' findings. rails: the devices that are rails (`rail_devices`); None: every port is one. Front-end
+    ports are not judged; they are counted in one info finding."""
     out = []
-    fastest: dict[str, float] = {}
+    judged = [p for p in ports if rails is None or p.device in rails]
+    fastest: dict[tuple[str, str], float] = {}
     if min_rate_gbps is None and rate_peers:
-        for p in ports:
+        for p in judged:
             if p.up and p.rate_gbps is not None:
-                fastest[p.link_layer] = max(fastest.get(p.link_layer, 0.0), p.rate_gbps)
-    for p in ports:
+                key = (p.nic, p.link_layer)
+                fastest[key] = max(fastest.get(key, 0.0), p.rate_gbps)
+    for p in judged:
+        if p.counter_garbled:
+            out.append(
+                Finding.unchecked(
+                    Check.INFINIBAND, f"InfiniBand rail {p.rail}: {p.counter_garbled[0]}", kind="counters_garbled"
+                )
+            )
         if p.counter_errors:
             out.append(
                 Finding.info(
@@ -165,7 +245,16 @@ def port_findings(
                     kind="counters_unreadable",
                 )
             )
-        expected = min_rate_gbps if min_rate_gbps is not None else fastest.get(p.link_layer)
+        for name in p.saturated:
+            out.append(
+                Finding.info(
+                    Check.INFINIBAND,
+                    f"InfiniBand rail {p.rail}: counter {name} saturated at {p.counters[name]} (it no longer moves: "
+                    "flaps seen from state changes only)",
+                    kind="counter_saturated",
+                )
+            )
+        expected = min_rate_gbps if min_rate_gbps is not None else fastest.get((p.nic, p.link_layer))
         if not p.up:
             out.append(
                 Finding.fault(
@@ -176,7 +265,8 @@ def port_findings(
                 )
             )
         elif expected is not None and p.rate_gbps is not None and p.rate_gbps < expected:
-            of = "" if min_rate_gbps is not None else " (the node's other rails)"
+            kind_of = " ".join(x for x in (p.nic, p.link_layer) if x)
+            of = "" if min_rate_gbps is not None else f" (the node's other {kind_of + ' ' if kind_of else ''}rails)"
             out.append(
                 Finding.fault(
                     Check.INFINIBAND,
@@ -185,6 +275,26 @@ def port_findings(
                     kind="rail_slow",
                 )
             )
+    if judged and not any(p.up for p in judged):
+        out.append(
+            Finding.fault(
+                Check.INFINIBAND,
+                Reason.FABRIC_NOT_READY,
+                f"no usable InfiniBand rail: all {len(judged)} rail ports down",
+                kind="rails_all_down",
+            )
+        )
+    front = [p for p in ports if rails is not None and p.device not in rails]
+    if front:
+        down = sum(1 for p in front if not p.up)
+        out.append(
+            Finding.info(
+                Check.INFINIBAND,
+                f"{len(front)} front-end RDMA ports not judged ({down} down): no GPU beside them and not in "
+                f"railDevices ({', '.join(sorted({p.device for p in front})[:8])})",
+                kind="front_end",
+            )
+        )
     devices = len({p.device for p in ports})
     if expected_nics is not None and devices < expected_nics:
         out.append(
@@ -239,10 +349,11 @@ class FlapTracker:
     def flaps(self, device: str, port: str) -> int:
         return len(self._events.get((device, port), ()))
 
-    def findings(self) -> list[Finding]:
+    def findings(self, rails: Collection[str] | None = None) -> list[Finding]:
+        """Flapping rails (rails None: every port)."""
         out = []
         for (dev, port), q in sorted(self._events.items()):
-            if len(q) >= self.t.count:
+            if len(q) >= self.t.count and (rails is None or dev in rails):
                 out.append(
                     Finding.fault(
                         Check.INFINIBAND,
@@ -264,10 +375,15 @@ def _pci_chain(path: str) -> list[str]:
     return [c for c in parts[start + 1 :] if PciAddress.parse(c.rsplit(".", 1)[0]) is not None]
 
 
-def gpu_rails(root: str, sysfs_root: str, gpus: Iterable[PciAddress], devices: Iterable[str]) -> dict[PciAddress, str]:
-    """Each GPU's rail: the device (under `root`) sharing the longest PCI path below the root complex with it."""
+def rail_topology(
+    root: str, sysfs_root: str, gpus: Iterable[PciAddress], devices: Iterable[str]
+) -> tuple[dict[PciAddress, str], set[str]]:
+    """Each GPU's rail (the device under `root` sharing the longest PCI path below the root complex with it), and
+    every device with GPU affinity (sharing at least a root port with some GPU; a virtual function, whose PCI
+    function has a `physfn`, never: its physical function is the rail)."""
     nics = {d: _pci_chain(os.path.join(root, d, "device")) for d in sorted(set(devices))}
-    out = {}
+    vfs = {d for d in nics if os.path.lexists(os.path.join(root, d, "device", "physfn"))}
+    out, affine = {}, set()
     for g in gpus:
         name = f"{g.domain:04x}:{g.bus:02x}:{g.device:02x}.0"
         chain = _pci_chain(os.path.join(sysfs_root, "bus", "pci", "devices", name))
@@ -276,11 +392,18 @@ def gpu_rails(root: str, sysfs_root: str, gpus: Iterable[PciAddress], devices: I
             n = 0
             while n < min(len(chain), len(nic)) - 1 and chain[n] == nic[n]:
                 n += 1
+            if n and dev not in vfs:
+                affine.add(dev)
             if n > best_len:
                 best, best_len = dev, n
         if best is not None:
             out[g] = best
-    return out
+    return out, affine
+
+
+def gpu_rails(root: str, sysfs_root: str, gpus: Iterable[PciAddress], devices: Iterable[str]) -> dict[PciAddress, str]:
+    """Each GPU's rail: the device (under `root`) sharing the longest PCI path below the root complex with it."""
+    return rail_topology(root, sysfs_root, gpus, devices)[0]
 
 
 def gpudirect_loaded(sysfs_root: str) -> bool:
@@ -295,6 +418,9 @@ class RailReport:
     flaps: dict[tuple[str, str], int] = field(default_factory=dict)
     gpu_rails: dict[PciAddress, str] = field(default_factory=dict)
     gpudirect: bool | None = None  # None: not looked at
+    rails: set[str] | None = None  # the devices judged as rails (None: every one)
+    rails_from: str = ""  # how they were chosen (rail_devices)
+    not_read: int = 0  # devices beyond MAX_DEVICES, not read
 
     def down_devices(self) -> set[str]:
         return {p.device for p in self.ports if not p.up}
@@ -318,11 +444,16 @@ class RailReport:
                     "link_layer": p.link_layer or None,
                     "counters": dict(p.counters),
                     "flaps_in_window": self.flaps.get((p.device, p.port), 0),
+                    "nic": p.nic or None,
+                    "rail": self.rails is None or p.device in self.rails,
+                    "saturated": list(p.saturated),
                 }
                 for p in self.ports
             ],
             "gpu_rails": {g.nvml: d for g, d in sorted(self.gpu_rails.items())},
             "gpudirect": self.gpudirect,
+            "rails_from": self.rails_from or None,
+            "not_read": self.not_read,
         }
 
 
@@ -333,6 +464,7 @@ class IbThresholds:
     rate_peers: bool = True
     flaps: FlapThresholds = FlapThresholds()
     require_gpudirect: bool = False
+    rail_devices: tuple[str, ...] = ()  # names or globs of devices that are rails besides those beside a GPU
 
 
 class InfinibandProbe:
@@ -353,16 +485,41 @@ class InfinibandProbe:
         self.tracker = FlapTracker(self.t.flaps)
         self._rails_key: tuple[tuple[str, ...], tuple[PciAddress, ...]] | None = None
         self._rails: dict[PciAddress, str] = {}
+        self._affine: set[str] = set()
+        self._nics: dict[str, str] = {}  # each device's NIC model, read once
 
     def read(self, context: ProbeContext) -> ProbeResult:
         try:
-            ports = read_ports(self.root)
+            names = device_names(self.root)
+            if set(self._nics) - set(names):
+                self._nics = {d: m for d, m in self._nics.items() if d in names}
+            ports = read_ports(self.root, devices=names[:MAX_DEVICES], nics=self._nics)
         except Unreadable as e:
             return ProbeResult.of(Check.INFINIBAND, (Finding.unchecked(Check.INFINIBAND, f"InfiniBand: {e}"),))
-        findings = port_findings(ports, self.t.expected_nics, self.t.min_rate_gbps, self.t.rate_peers)
+        rails_map: dict[PciAddress, str] = {}
+        affine: set[str] = set()
+        if ports:
+            # The topology is fixed while the devices and GPUs stay: the paths are resolved again when they change.
+            key = (tuple(sorted({p.device for p in ports})), tuple(sorted(context.gpus())))
+            if key != self._rails_key:
+                self._rails_key = key
+                self._rails, self._affine = rail_topology(self.root, self.sysfs_root, key[1], key[0])
+            rails_map, affine = dict(self._rails), self._affine
+        rails, how = rail_devices(ports, affine, self.t.rail_devices)
+        findings = port_findings(ports, self.t.expected_nics, self.t.min_rate_gbps, self.t.rate_peers, rails)
         self.tracker.observe(ports, context.now)
-        findings += self.tracker.findings()
+        findings += self.tracker.findings(rails)
         report = RailReport(ports, {(p.device, p.port): self.tracker.flaps(p.device, p.port) for p in ports})
+        report.gpu_rails, report.rails, report.rails_from = rails_map, rails, how
+        report.not_read = max(0, len(names) - MAX_DEVICES)
+        if report.not_read:
+            findings.append(
+                Finding.unchecked(
+                    Check.INFINIBAND,
+                    f"InfiniBand: {report.not_read} of {len(names)} devices not read (at most {MAX_DEVICES} per cycle)",
+                    kind="devices_not_read",
+                )
+            )
         if self.t.require_gpudirect:
             report.gpudirect = gpudirect_loaded(self.sysfs_root)
             if not report.gpudirect:
@@ -374,20 +531,28 @@ class InfinibandProbe:
                         kind="gpudirect_missing",
                     )
                 )
-        if ports:
-            # The topology is fixed while the devices and GPUs stay: the paths are resolved again when they change.
-            key = (tuple(sorted({p.device for p in ports})), tuple(sorted(context.gpus())))
-            if key != self._rails_key:
-                self._rails_key, self._rails = key, gpu_rails(self.root, self.sysfs_root, key[1], key[0])
-            report.gpu_rails = dict(self._rails)
         return ProbeResult.of(Check.INFINIBAND, findings, payload=report)
+
+
+def rail_patterns(v: Any) -> tuple[str, ...]:
+    """`railDevices`: InfiniBand device names or globs (`mlx5_*`, `mlx5_[0-7]`), comma or space separated."""
+    items = list(v) if isinstance(v, list | tuple) else to_str(v).replace(",", " ").split()
+    if len(items) > MAX_RAIL_PATTERNS:
+        raise ValueError(f"at most {MAX_RAIL_PATTERNS} names, got {len(items)}")
+    out = []
+    for x in items:
+        x = str(x).strip()
+        if not _RAIL_PATTERN.match(x):
+            raise ValueError(f"expected an InfiniBand device name or glob, got {x[:60]!r}")
+        out.append(x)
+    return tuple(out)
 
 
 SETTINGS = (
     Setting("infiniband", to_bool, True, "judge the InfiniBand/RoCE ports in sysfs (a rail down: GPUDegraded)"),
     Setting(
         "expected_nics",
-        optional(in_range(to_int, 0, MAX_DEVICES)),
+        optional(in_range(to_int, 0, MAX_EXPECTED_NICS)),
         None,
         "InfiniBand devices this node must have (unset: not judged)",
     ),
@@ -415,5 +580,11 @@ SETTINGS = (
         to_bool,
         False,
         "the nvidia_peermem module (GPUDirect RDMA) must be loaded; missing: GPUDegraded",
+    ),
+    Setting(
+        "rail_devices",
+        optional(rail_patterns),
+        None,
+        "InfiniBand devices (names or globs) judged as rails besides those beside a GPU; others are front-end",
     ),
 )

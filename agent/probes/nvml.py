@@ -1,9 +1,16 @@
 """NVML through nvidia-ml-py (module `pynvml`), optional: used when libnvidia-ml loads.
 
 Per GPU: a handle error (GPU lost, reset required, unknown), a GPU recovery action other than none,
-a row-remap failure (pending remaps are reported, not a fault), NVLink links down where the GPU has
-NVLink. Every call runs in a worker thread under a deadline; a call that never returns is abandoned
-and no further NVML call starts while it is stuck.
+a row-remap failure (pending remaps are reported, not a fault), NVLink links down where NVLink is fitted.
+Every call runs in a worker thread under a deadline; a call that never returns is abandoned and no further
+NVML call starts while it is stuck.
+
+NVLink is judged against what is fitted, not against every link index NVML answers: a PCIe GPU without bridges
+(A100/H100 PCIe) answers every link as disabled, and a bridged pair uses only some of its links. A link not up is
+down only when something says it should be up (`nvlink_verdict`): it was up earlier in this boot (kept with the
+boot id in the state file, so a restart does not forget it), NVML names a GPU or an NVSwitch at its far end, or the
+node's topology expects that many links up (`expectedNvlinks` for every GPU, `nvlinkProfiles` per model). Every link
+disabled with none of that is "no NVLink fitted": reported (info), never a fault. A GPU in MIG mode is not judged.
 
 For the degradation probes (docs/degradation.md) it also reads, when asked, each GPU's PCIe load (utilisation and
 link generation, probes/pcie.py), one clock-event sample (probes/clocks.py), its UUID (to map
@@ -13,7 +20,9 @@ done by those probes."""
 from __future__ import annotations
 
 import concurrent.futures
+import fnmatch
 import threading
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +31,7 @@ from agent.probes.base import ProbeContext
 from agent.probes.clocks import ClockSample, nvml_clock_sample
 from agent.probes.fabric import FabricInfo, nvml_fabric
 from agent.probes.pcie import GpuLoad, nvml_pcie_load
-from agent.settings import Setting, choice, positive, to_bool, to_float
+from agent.settings import Setting, choice, in_range, optional, positive, to_bool, to_float, to_int, to_str
 
 FI_DEV_GET_GPU_RECOVERY_ACTION = 230
 RECOVERY_ACTIONS = {
@@ -49,8 +58,10 @@ class NvmlGpu:
     name: str | None = None
     mig_enabled: bool = False
     mig_devices: int = 0
-    nvlink_links: int = 0
-    nvlink_down: list[int] = field(default_factory=list)
+    nvlink_links: int = 0  # link indices NVML answered
+    nvlink_down: list[int] = field(default_factory=list)  # judged down (nvlink_verdict)
+    nvlink_up: list[int] = field(default_factory=list)  # up at this read
+    nvlink_fitted: bool | None = None  # False: every link disabled and nothing says one should be up; None: not read
     load: GpuLoad | None = None  # read when the probe was asked for PCIe load
     clock: ClockSample | None = None  # read when the probe was asked for clock events
     uuid: str | None = None  # read when the probe was asked for UUIDs
@@ -64,6 +75,117 @@ class NvmlGpu:
 class NvmlSnapshot:
     driver_version: str | None = None
     gpus: list[NvmlGpu] = field(default_factory=list)
+
+
+MAX_NVLINKS = 64  # a bound for `expectedNvlinks` (NVML_NVLINK_MAX_LINKS is 18 today)
+NVLINK_REMOTE_TYPES = frozenset({0, 2})  # nvmlNvLinkDeviceType: GPU, SWITCH (IBMNPU 1 and UNKNOWN 0xFF say nothing)
+
+
+@dataclass(frozen=True)
+class NvlinkVerdict:
+    """What one GPU's link states say (`nvlink_verdict`)."""
+
+    down: tuple[int, ...] = ()  # links not up that should be
+    expected: int | None = None  # links the topology expects up (None: no expectation)
+    up: int = 0
+    fitted: bool = True  # False: every link disabled and nothing says one should be up
+    judged: bool = True  # False: not judged (MIG mode)
+
+    @property
+    def fault(self) -> bool:
+        return self.judged and (bool(self.down) or (self.expected is not None and self.up < self.expected))
+
+
+def nvlink_verdict(
+    up: Sequence[bool],
+    seen_up: Collection[int] = (),
+    remote: Collection[int] = (),
+    expected: int | None = None,
+    mig: bool = False,
+) -> NvlinkVerdict:
+    """One GPU's links judged against what is fitted. up: each link index's state now; seen_up: links seen up
+    earlier in this boot; remote: links whose far end NVML names (a GPU or an NVSwitch); expected: links the node's
+    topology says are up (`expectedNvlinks` / `nvlinkProfiles`). A link not up is down only when it was seen up or has
+    a far end; fewer links up than expected is a fault by itself. A GPU in MIG mode is not judged."""
+    now_up = {i for i, u in enumerate(up) if u}
+    known = (set(seen_up) | set(remote)) & set(range(len(up)))
+    down = tuple(sorted(known - now_up))
+    fitted = bool(now_up or known or expected)
+    return NvlinkVerdict(down, expected, len(now_up), fitted, judged=not mig)
+
+
+def nvlink_findings(v: NvlinkVerdict, total: int, addr: PciAddress | None) -> list[Finding]:
+    if not v.judged or total == 0:
+        return []
+    if not v.fitted:
+        return [
+            Finding.info(
+                Check.NVML,
+                f"no NVLink fitted: all {total} links disabled since the first read (a PCIe GPU without bridges)",
+                addr,
+                kind="nvlink_absent",
+            )
+        ]
+    if not v.fault:
+        return []
+    parts = []
+    if v.expected is not None and v.up < v.expected:
+        parts.append(f"{v.up} of {v.expected} expected links up")
+    if v.down:
+        parts.append(f"links {', '.join(map(str, v.down))} down (up earlier or connected)")
+    return [Finding.fault(Check.NVML, Reason.NVML_HEALTH, f"NVLink down: {'; '.join(parts)}", addr, kind="nvlink_down")]
+
+
+class LinkMemory:
+    """The NVLinks seen up in this boot, per GPU bus id, in memory. The agent hands the probe its state file instead
+    (agent/state.py keeps the same two methods), so that an agent restart does not forget a link that was up."""
+
+    def __init__(self) -> None:
+        self._up: dict[str, frozenset[int]] = {}
+        self._lock = threading.Lock()
+
+    def nvlinks_seen_up(self, gpu: str) -> frozenset[int]:
+        with self._lock:
+            return self._up.get(gpu, frozenset())
+
+    def note_nvlinks_up(self, gpu: str, links: Collection[int]) -> None:
+        with self._lock:
+            self._up[gpu] = self._up.get(gpu, frozenset()) | frozenset(links)
+
+
+def nvlink_profiles(v: Any) -> tuple[tuple[str, int], ...]:
+    """`nvlinkProfiles`: "<model glob>=<links>" pairs, comma separated (or a mapping), e.g.
+    "NVIDIA H100 80GB HBM3=18,NVIDIA A100-SXM4*=12": the links a GPU of that model (nvidia-smi's name, case
+    ignored) has up on this node. The first pattern that matches wins."""
+    if isinstance(v, dict):
+        pairs = [(str(k), val) for k, val in v.items()]
+    else:
+        text = to_str(v)
+        pairs = []
+        for item in (x.strip() for x in text.split(",")):
+            if not item:
+                continue
+            name, eq, n = item.rpartition("=")
+            if not eq or not name.strip():
+                raise ValueError(f"expected '<model glob>=<links>', got {item[:60]!r}")
+            pairs.append((name.strip(), n.strip()))
+    if len(pairs) > 64:
+        raise ValueError(f"at most 64 profiles, got {len(pairs)}")
+    out = []
+    for name, n in pairs:
+        if len(name) > 128:
+            raise ValueError(f"a model pattern is at most 128 characters, got {len(name)}")
+        out.append((name.lower(), in_range(to_int, 0, MAX_NVLINKS)(n)))
+    return tuple(out)
+
+
+def expected_links(name: str | None, every: int | None, profiles: Sequence[tuple[str, int]]) -> int | None:
+    """The links a GPU of this model must have up: the first matching profile, else `expectedNvlinks`."""
+    model = (name or "").lower()
+    for pattern, n in profiles:
+        if fnmatch.fnmatchcase(model, pattern):
+            return n
+    return every
 
 
 class NvmlProbe:
@@ -83,6 +205,9 @@ class NvmlProbe:
         self.mode = mode
         self.deadline_s = deadline_s
         self.check_nvlink = check_nvlink
+        self.links: Any = LinkMemory()  # links seen up in this boot (the agent hands its state file instead)
+        self.expected_nvlinks: int | None = None  # every GPU's links up (expectedNvlinks)
+        self.nvlink_profiles: tuple[tuple[str, int], ...] = ()  # per model (nvlinkProfiles)
         self.read_load, self.read_clocks, self.read_uuids = pcie_load, clock_events, uuids
         self.read_fabric = False
         self.snapshot: NvmlSnapshot | None = None  # the last probe()'s readings
@@ -274,26 +399,47 @@ class NvmlProbe:
                 gpu.fabric_error = str(e)[:200]
 
     def _nvlink(self, nv: Any, h: Any, gpu: NvmlGpu, addr: PciAddress | None) -> list[Finding]:
+        states: list[bool] = []
         for link in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)):
             try:
                 state = self._call(nv.nvmlDeviceGetNvLinkState, h, link)
             except nv.NVMLError:
                 break  # NOT_SUPPORTED on link 0: no NVLink; on link k: end of links
-            gpu.nvlink_links += 1
-            if state != getattr(nv, "NVML_FEATURE_ENABLED", 1):
-                gpu.nvlink_down.append(link)
-        if gpu.nvlink_down:
-            return [
-                Finding.fault(
-                    Check.NVML,
-                    Reason.NVML_HEALTH,
-                    f"NVLink down: {len(gpu.nvlink_down)} of {gpu.nvlink_links} links "
-                    f"({', '.join(map(str, gpu.nvlink_down))})",
-                    addr,
-                    kind="nvlink_down",
-                )
-            ]
-        return []
+            states.append(state == getattr(nv, "NVML_FEATURE_ENABLED", 1))
+        gpu.nvlink_links = len(states)
+        gpu.nvlink_up = [i for i, u in enumerate(states) if u]
+        if not states:
+            return []
+        key = addr.nvml if addr is not None else f"index {gpu.index}"
+        seen = self.links.nvlinks_seen_up(key)
+        if gpu.nvlink_up and not set(gpu.nvlink_up) <= seen:
+            self.links.note_nvlinks_up(key, gpu.nvlink_up)
+        remote = self._remote_ends(nv, h, [i for i, u in enumerate(states) if not u and i not in seen])
+        v = nvlink_verdict(
+            states,
+            seen,
+            remote,
+            expected_links(gpu.name, self.expected_nvlinks, self.nvlink_profiles),
+            gpu.mig_enabled,
+        )
+        gpu.nvlink_fitted = v.fitted
+        gpu.nvlink_down = list(v.down) if v.judged else []
+        return nvlink_findings(v, len(states), addr)
+
+    def _remote_ends(self, nv: Any, h: Any, links: list[int]) -> set[int]:
+        """The links among `links` whose far end NVML names as a GPU or an NVSwitch (a link that is wired)."""
+        get = getattr(nv, "nvmlDeviceGetNvLinkRemoteDeviceType", None)
+        out: set[int] = set()
+        if get is None:
+            return out
+        for link in links:
+            try:
+                kind = self._call(get, h, link)
+            except nv.NVMLError:
+                continue  # a disabled link without a far end answers an error: nothing known
+            if int(kind) in NVLINK_REMOTE_TYPES:
+                out.add(link)
+        return out
 
 
 def _lost_or_skip(nv: Any, e: Exception, addr: PciAddress | None, what: str) -> list[Finding]:
@@ -313,4 +459,16 @@ SETTINGS = (
     Setting("nvml", choice("auto", "on", "off"), "auto", "NVML checks: auto = when libnvidia-ml loads"),
     Setting("nvml_timeout", positive(to_float, 3600), 10.0, "deadline for one NVML call, seconds"),
     Setting("nvml_nvlink", to_bool, True, "report NVLink links down (NVML)"),
+    Setting(
+        "expected_nvlinks",
+        optional(in_range(to_int, 0, MAX_NVLINKS)),
+        None,
+        "NVLinks every GPU of this node must have up (unset: only links seen up or connected are judged)",
+    ),
+    Setting(
+        "nvlink_profiles",
+        optional(nvlink_profiles),
+        None,
+        "NVLinks up per GPU model, '<model glob>=<links>' comma list (overrides expectedNvlinks for that model)",
+    ),
 )
