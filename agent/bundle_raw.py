@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from datetime import UTC
 from typing import Any
 
 from agent.bundle_nvml import FORMAT as NVML_FORMAT
@@ -542,12 +543,12 @@ MAX_RECORDS = 100_000
 def _wall_seconds(line: str) -> tuple[float | None, str]:
     """A wall-clock stamp at the line's head (ISO, `[Mon Jan 20 10:18:26 2025]`, syslog `Jan 20 10:18:26`) in
     seconds, and the line without it."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     m = _ISO_TS.match(line)
     if m:
         try:
-            t = datetime.strptime(f"{m[1]} {m[2]}", "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+            t = datetime.strptime(f"{m[1]} {m[2]}", "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC).timestamp()
         except ValueError:
             return None, line
         return t + (int(m[3].ljust(6, "0")[:6]) / 1e6 if m[3] else 0.0), line[m.end() :]
@@ -555,7 +556,7 @@ def _wall_seconds(line: str) -> tuple[float | None, str]:
         m = pattern.match(line)
         if m:
             try:
-                t = datetime.strptime(" ".join(m[1].split()), fmt).replace(tzinfo=timezone.utc).timestamp()
+                t = datetime.strptime(" ".join(m[1].split()), fmt).replace(tzinfo=UTC).timestamp()
             except ValueError:
                 return None, line
             return t, line[m.end() :]

@@ -36,7 +36,7 @@ from agent import __version__
 from agent import bundle as bundle_mod
 from agent import config as config_mod
 from agent.bundle_nvml import RecordingNvml
-from agent.kernel_log.source import KmsgSource, format_record
+from agent.kernel_log.source import KmsgSource, KmsgUnavailable, format_record
 from agent.probes.nvml import NvmlProbe
 from agent.proc import Run, SupervisedRunner
 from agent.replay import RUNS_FORMAT, run_to_json
@@ -327,19 +327,26 @@ def _dev_entry(name: str, st: os.stat_result) -> dict[str, Any]:
 
 
 def capture_kmsg(c: Capture, path: str, trust_user: bool, keep: int) -> None:
+    """The newest `keep` records about GPUs, NVSwitches and NICs. Read from /dev/kmsg, the last record is a note
+    stamped with the kernel's clock at this moment (a user-facility record no parser takes for an event), so a
+    replay measures each event's age from the capture, as the live check did, not from the newest event."""
     src = KmsgSource(path, trust_user=trust_user)
     kept: list[str] = []
     try:
+        src.open()
         for batch in src.drain():
             for r in batch:
                 if KMSG_WORDS.search(r.text):
                     kept.append(format_record(r.text, r.seq or 0, r.usec or 0, r.facility or 0, r.level or 4))
             del kept[:-keep]
-    except OSError as e:
-        c.skipped.append(f"kernel log {path}: {e.strerror or e}")
+    except (OSError, KmsgUnavailable) as e:
+        c.skipped.append(f"kernel log {path}: {getattr(e, 'strerror', None) or e}")
         return
     finally:
         src.close()
+    if src.is_device:
+        now = int(time.monotonic() * 1e6)
+        kept.append(format_record("gpu-ready capture: the kernel log as read at this moment", 0, now, 1, 6))
     c.add("kmsg.txt", "".join(kept))
     c.sources.append("kmsg")
 

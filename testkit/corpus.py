@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from agent.bundle import load
+from agent.model import Check
 from agent.replay import open_replay
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,11 +79,14 @@ def replay_node(path: Path) -> NodeResult:
 
     r = open_replay(argparse.Namespace(config=None), str(path))
     try:
-        v = judge_once(r.cfg, r.node, None, None, nvml=r.nvml, attach=r.attach)[0]
+        v, _, suite, _ = judge_once(r.cfg, r.node, None, None, nvml=r.nvml, attach=r.attach)
     finally:
         r.close()
     meta = r.bundle.meta
-    names = sorted({g.name for g in v.gpus if g.name})
+    # NVML's names are whole (the table cuts long ones to 28 characters with "...").
+    snap = suite.results[Check.NVML].payload if Check.NVML in suite.results else None
+    names = sorted({g.name for g in getattr(snap, "gpus", None) or () if g.name})
+    names = names or sorted({g.name for g in v.gpus if g.name})
     config = meta.get("configuration") or (", ".join(names) if names else "model not named")
     return NodeResult(
         path.name,

@@ -324,3 +324,32 @@ def test_directory_bundle_with_an_escaping_link_or_a_fifo(capsys, tmp_path):
     os.mkfifo(d / "fifo")
     rc, _, err = run_cli(capsys, "check", "--replay", str(d))
     assert rc == 2 and "not a regular file" in err
+
+
+def test_gpu_smoke_writes_a_node_bundle_that_replays(simhost, tmp_path):
+    """`make gpu-smoke` on a node (here the simulated one's nvidia-smi) writes a bundle with `gpu-ready capture` and
+    its replay's verdict beside it, so a first real GPU run can join the corpus."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(
+        os.environ,
+        NVIDIA_SMI=str(simhost.nvidia_smi),
+        GPU_SMOKE_OUT=str(tmp_path / "out"),
+        GPU_SMOKE_GATES="spec",
+        PY=sys.executable,
+    )
+    r = subprocess.run(
+        ["bash", str(root / "tools" / "gpu-smoke.sh")], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (out,) = (tmp_path / "out").iterdir()
+    (bundle,) = out.glob("bundle-*")
+    assert (bundle / "bundle.json").is_file() and (bundle / "nvidia-smi-q.txt").is_file()
+    codes = (out / "exit-codes.txt").read_text()
+    assert any(line.startswith("0 gpu-ready-capture-") for line in codes.splitlines()), codes
+    replayed = json.loads(next(out.glob("gpu-ready-replay-*.json")).read_text())
+    assert replayed["status"] == bundle_mod.load(str(bundle)).meta["verdict"]["status"]
+    assert f"node bundle: {bundle}" in r.stdout
