@@ -202,8 +202,8 @@ def gpus_without_q(table_text: str | None, lspci_text: str | None) -> list[tuple
             return [(g.address.nvml, {"Product Name": g.name}) for g in sorted(table.gpus, key=lambda g: g.index)]
     if lspci_text is not None:
         fns = pci_from_lspci(lspci_text)
-        gpus = sorted(n for n, f in fns.items() if f["vendor"] == 0x10DE and f["class"] >> 16 == 0x03)
-        return [(PciAddress.parse(n).nvml if PciAddress.parse(n) else n, {}) for n in gpus]
+        addrs = [PciAddress.parse(n) for n, f in fns.items() if f["vendor"] == 0x10DE and f["class"] >> 16 == 0x03]
+        return [(a.nvml, {}) for a in sorted(a for a in addrs if a is not None)]
     return []
 
 
@@ -469,13 +469,12 @@ def infiniband_from_ibstat(text: str) -> dict[str, bytes]:
 
 
 def infiniband_from_listing(text: str) -> dict[str, bytes]:
-    """`path: value` or `path value` lines of /sys/class/infiniband files (as `grep . .../*` prints them)."""
+    """`path: value` or `path value` lines of /sys/class/infiniband files (as `grep . .../*` prints them), the path
+    whole (`/sys/class/infiniband/mlx5_0/ports/1/state`) or from the device on (`mlx5_0/ports/1/state`)."""
     files: dict[str, bytes] = {}
     for line in _lines(text):
         at = line.find("class/infiniband/")
-        if at < 0:
-            continue
-        rest = line[at + len("class/infiniband/") :]
+        rest = line[at + len("class/infiniband/") :] if at >= 0 else line.strip()
         path, _, value = rest.partition(" ")
         if path.endswith(":"):
             path = path[:-1]

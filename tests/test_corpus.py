@@ -9,13 +9,15 @@ import pytest
 
 from testkit.corpus import (
     DOC,
-    NODES as NODES_DIR,
     SUMMARY,
     counts_table,
     coverage_table,
     node_dirs,
     render_doc,
     replay_node,
+)
+from testkit.corpus import (
+    NODES as NODES_DIR,
 )
 
 NODES = node_dirs()
