@@ -15,6 +15,7 @@ from agent import bundle as bundle_mod
 from agent import capture as capture_mod
 from agent import cli
 from testkit.fakes import fake_nvml
+from testkit.fixture_files import FIXTURES
 
 KEYS = ("status", "reason", "message", "gpus", "counts")
 
@@ -353,3 +354,16 @@ def test_gpu_smoke_writes_a_node_bundle_that_replays(simhost, tmp_path):
     replayed = json.loads(next(out.glob("gpu-ready-replay-*.json")).read_text())
     assert replayed["status"] == bundle_mod.load(str(bundle)).meta["verdict"]["status"]
     assert f"node bundle: {bundle}" in r.stdout
+
+
+@pytest.mark.parametrize("path", sorted((FIXTURES / "bundles").glob("*.tar.gz")), ids=lambda p: p.name)
+def test_committed_bundle_still_replays_to_its_recorded_verdict(capsys, path):
+    """A bundle written by an earlier version (testkit/sim_bundles.py) keeps loading and judges as it did."""
+    meta = bundle_mod.load(str(path)).meta
+    _, got, err = replay(capsys, path)
+    assert (got["status"], got["reason"], got["message"]) == (
+        meta["verdict"]["status"],
+        meta["verdict"]["reason"],
+        meta["verdict"]["message"],
+    )
+    assert "not captured" not in err
