@@ -128,7 +128,9 @@ REGISTRY: tuple[ProbeSpec, ...] = (
         lambda cfg: cfg.fabric_manager,
         lambda cfg, shared: FabricManagerProbe(cfg.sysfs_root, cfg.fabric_manager_address),
     ),
-    ProbeSpec(Check.IMEX, lambda cfg: cfg.imex, lambda cfg, shared: ImexProbe(cfg.imex_ctl, cfg.imex_timeout)),
+    ProbeSpec(
+        Check.IMEX, lambda cfg: cfg.imex, lambda cfg, shared: ImexProbe(cfg.imex_ctl, cfg.imex_timeout, cfg.imex_daemon)
+    ),
     ProbeSpec(Check.POD_RESOURCES, lambda cfg: cfg.pod_resources, _allocation),
     ProbeSpec(Check.MIG_LAYOUT, always, lambda cfg, shared: MigConfigProbe(cfg.mig_pending_timeout)),
     ProbeSpec(Check.XID, always, lambda cfg, shared: KernelLogProbe(shared.kernel_log, shared.latch_store)),

@@ -22,7 +22,7 @@ from agent.kube.client import ApiError, KubeApi, connect
 from agent.logs import setup_logging
 from agent.model import Check, LatchedFault, Observation, Status, Verdict, XidEvent
 from agent.probes.infiniband import RailReport
-from agent.probes.nvml import NvmlProbe
+from agent.probes.nvml import NvmlProbe, NvmlSnapshot, nvlink_json
 from agent.report.blast_radius import gpus_json, render_gpus
 from agent.report.condition import on_node, render_on_node
 from agent.settings import load_json, read_text_file
@@ -106,6 +106,9 @@ def multinode_json(suite: CheckSuite) -> dict[str, Any]:
         r = suite.results.get(check)
         p = r.payload if r is not None and r.ran else None
         out[str(check)] = p.to_json() if p is not None and hasattr(p, "to_json") else p
+    nvml = suite.results.get(Check.NVML)
+    snap = nvml.payload if nvml is not None and nvml.ran else None
+    out["nvlink"] = nvlink_json(snap) if isinstance(snap, NvmlSnapshot) else None  # links up, down, fitted per GPU
     return out
 
 

@@ -257,6 +257,7 @@ class Config:
     imex: bool
     imex_ctl: str
     imex_timeout: float
+    imex_daemon: str
     mig_strategy: str
     replicas: int | None
     plugin_grace: float

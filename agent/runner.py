@@ -12,11 +12,12 @@ import argparse
 import random
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from agent import config as config_mod
 from agent.act import recovery
-from agent.checks import CheckSuite
+from agent.checks import CheckSuite, CycleStats
 from agent.clock import SYSTEM, Clock
 from agent.config import Config, ConfigError
 from agent.http import HealthServer
@@ -34,9 +35,68 @@ from agent.report.metrics import Metrics
 from agent.shutdown import on_stop_signals, wait_for_signal
 from agent.state import LatchState, read_boot_id
 
-# A kernel-log link change brings the next cycle forward to at most this long after the last one: a flapping
-# link costs at most two extra cycles a second, and a rail's change is judged on the cycle its record starts.
-LINK_CYCLE_GAP_S = 0.5
+# A kernel-log wake that asks for the level checks (an InfiniBand/RoCE link change; records lost before they were
+# read) brings the next cycle forward to at most this long after the last one: a flapping link or a log that loses
+# records every 0.2 s costs at most two extra cycles a second, and a single one is judged on the cycle it starts.
+WAKE_CYCLE_GAP_S = 0.5
+
+
+def wake_cycle_at(next_poll: float, last_cycle: float | None) -> float:
+    """When the next cycle runs once the kernel log asked for one: WAKE_CYCLE_GAP_S after the last cycle (at once
+    when that is past), never later than the poll."""
+    return min(next_poll, (last_cycle or 0.0) + WAKE_CYCLE_GAP_S)
+
+
+class ChecksThread:
+    """Runs the check suite off the loop thread, one run at a time. Every probe is bounded by its own deadline, and a
+    cycle may still take as long as the slowest of them (nvidia-smi's timeout, NVML's, a wedged sysfs read's): the
+    loop meanwhile keeps publishing, so a fault the kernel log latched reaches the Node while the cycle runs."""
+
+    def __init__(self, run: Callable[..., Any], finished: Callable[[], None]) -> None:
+        self._run, self._finished = run, finished
+        self._go = threading.Event()
+        self._lock = threading.Lock()
+        self._request: tuple[Any, ...] = ()
+        self._result: tuple[Any, BaseException | None] | None = None
+        self._stopping = False
+        self.busy = False  # a run was submitted and its result not taken yet (the loop thread's view)
+        self.thread: threading.Thread | None = None
+
+    def submit(self, *args: Any) -> None:
+        self.busy = True
+        self._request = args
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._main, name="agent-checks", daemon=True)
+            self.thread.start()
+        self._go.set()
+
+    def take(self) -> tuple[Any, BaseException | None] | None:
+        """The finished run's (result, error), once; None while it runs or when none was submitted. `busy` stays
+        set until the caller has handled it (`done()`)."""
+        with self._lock:
+            got, self._result = self._result, None
+        return got
+
+    def done(self) -> None:
+        self.busy = False
+
+    def _main(self) -> None:
+        while True:
+            self._go.wait()
+            self._go.clear()
+            if self._stopping:
+                return
+            try:
+                got: tuple[Any, BaseException | None] = (self._run(*self._request), None)
+            except Exception as e:  # handed to the loop, which logs it as it logs its own
+                got = (None, e)
+            with self._lock:
+                self._result = got
+            self._finished()  # wakes the loop
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._go.set()
 
 
 class Agent:
@@ -81,7 +141,10 @@ class Agent:
                 self.api, self.node, cfg.dra_driver, watch_timeout_s=2 * cfg.node_watch_timeout, rng=self.rng
             )
         self.obs: Observation | None = None  # the newest level observation
+        self.checks = ChecksThread(self.suite.run, self.wake.set)
+        self._cycle_started = 0.0
         self.cycles = 0
+        self.turns = 0  # the loop's turns (each wake or timeout): what a test waits on to know a wake was handled
         self.started_mono = clock.mono()
         self.last_cycle_mono: float | None = None
         self.loop_thread: threading.Thread | None = None
@@ -131,15 +194,22 @@ class Agent:
             self.standing.observe(node, self.kmsg.source.last_seq, self._adopt)
 
     def cycle(self) -> None:
+        """One whole cycle on the calling thread (the loop runs the probes on the checks thread instead)."""
+        self._end_cycle(*self.suite.run(*self._begin_cycle()))
+
+    def _begin_cycle(self) -> tuple[dict[str, Any] | None, str | None]:
         self.node_changed.clear()  # this cycle reads the Node
         node, node_err = self.own.read()
         self.standing.check_boot()
         self.standing.observe(node, self.kmsg.source.last_seq, self._adopt)
         self.state.retry()
-        started = self.clock.wall()
-        self.obs, stats = self.suite.run(node, node_err)
+        self._cycle_started = self.clock.wall()
+        return node, node_err
+
+    def _end_cycle(self, obs: Observation, stats: CycleStats) -> None:
+        self.obs = obs
         if self.recovery is not None:  # its own thread: a drain, reset or proof never delays a cycle
-            self.recovery.submit(self.obs, self.suite.allocation, started)
+            self.recovery.submit(self.obs, self.suite.allocation, self._cycle_started)
         self.metrics.observe_cycle(stats, self.suite.allocation, enabled=self.cfg.pod_resources)
         self.metrics.multinode.publish(self.suite.results)
         self.cycles += 1
@@ -193,25 +263,44 @@ class Agent:
         self.loop_thread.start()
 
     def loop(self) -> None:
+        """Schedules cycles (the probes run on the checks thread) and publishes on every wake: a fault the kernel
+        log latched is published at once, also while a cycle is still running."""
         next_poll = self.clock.mono()
+        asked = False  # the kernel log asked for a cycle (a link change, lost records): wake_cycle_at
         while not self.stop.is_set():
+            due = next_poll
             try:
-                if self.kmsg.take_link_change():  # the rails are read on a cycle now, not at the next poll
-                    next_poll = min(next_poll, (self.last_cycle_mono or 0.0) + LINK_CYCLE_GAP_S)
-                if self.kmsg.take_rerun() or self.clock.mono() >= next_poll:  # lost records: check levels now
-                    self.cycle()
-                    next_poll = self.clock.mono() + self.cfg.poll_interval
-                elif self.node_changed.is_set():
+                # both taken every turn (`|`, not `or`): the rails and the levels are read on one cycle soon
+                asked |= self.kmsg.take_link_change() | self.kmsg.take_rerun()
+                done = self.checks.take()
+                if done is not None:
+                    result, error = done
+                    next_poll = due = self.clock.mono() + self.cfg.poll_interval
+                    try:
+                        if error is not None:
+                            raise error
+                        self._end_cycle(*result)
+                    finally:
+                        self.checks.done()
+                if not self.checks.busy:
+                    due = wake_cycle_at(next_poll, self.last_cycle_mono) if asked else next_poll
+                    if self.clock.mono() >= due:
+                        asked = False
+                        self.checks.submit(*self._begin_cycle())
+                if self.node_changed.is_set():
                     self.node_changed.clear()
                     self.refresh_node()
                 if self.cycles > 0 and not self.stop.is_set():
                     self.publish(self.evaluate())
             except Exception as e:  # a bug must not stop the agent from reporting
                 self.log.exception("agent loop error", error=str(e))
-                next_poll = self.clock.mono() + self.cfg.error_pause_s
+                next_poll = due = self.clock.mono() + self.cfg.error_pause_s
             now = self.clock.mono()
+            if self.checks.busy:
+                due = now + self.cfg.poll_interval  # the run's end wakes the loop
             held = self.publisher.next_deadline(now)
-            self.wake.wait(max(0.0, min(next_poll, held if held is not None else next_poll) - now))
+            self.turns += 1
+            self.wake.wait(max(0.0, min(due, held if held is not None else due) - now))
             self.wake.clear()
 
     def shutdown(self, grace_s: float = 4.0) -> None:
@@ -219,6 +308,7 @@ class Agent:
         self.wake.set()
         if self.loop_thread is not None:
             self.loop_thread.join(grace_s)
+        self.checks.stop()  # a run in progress ends under its probes' deadlines; its thread never holds up the exit
         # The write in flight (if any) finishes under its own timeout; do not start another.
         self.suite.smi.kill_running()
         self.publisher.close()

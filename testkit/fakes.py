@@ -6,7 +6,7 @@ import ctypes
 import threading
 import types
 
-from pynvml import c_nvmlGpuFabricInfoV_t
+from pynvml import c_nvmlGpuFabricInfo_v3_t, c_nvmlGpuFabricInfoV_t
 
 # The releases of simulated hung calls: a hung call blocks, as a stuck driver call does, until its release is set.
 # tests/conftest.py sets every one after each test, so no worker thread outlives its test.
@@ -33,7 +33,9 @@ def fake_nvml(gpus, init_error=None, hang=None):
         NVML_DEVICE_MIG_ENABLE=1,
         NVML_ERROR_NOT_SUPPORTED=3,
         NVML_ERROR_INSUFFICIENT_RESOURCES=23,
-        c_nvmlGpuFabricInfoV_t=c_nvmlGpuFabricInfoV_t,  # the library's own structure, filled as the driver fills it
+        c_nvmlGpuFabricInfoV_t=c_nvmlGpuFabricInfoV_t,  # the library's own structures, filled as the driver fills them
+        c_nvmlGpuFabricInfo_v3_t=c_nvmlGpuFabricInfo_v3_t,
+        NVML_ERROR_ARGUMENT_VERSION_MISMATCH=25,
         byref=ctypes.byref,
     )
 
@@ -129,13 +131,18 @@ def fake_nvml(gpus, init_error=None, hang=None):
     call("nvmlDeviceGetCurrPcieLinkWidth", lambda h: gpus[h].get("pcie_width_cur", gpus[h].get("pcie_width", 16)))
 
     def fabric(h, ref):
-        """fabric: {state, status, clique, cluster (16 bytes), health (mask)}; absent: NOT_SUPPORTED;
-        fabric_error: an NVML error code."""
+        """fabric: {state, status, clique, cluster (16 bytes), health (mask), summary (v3 health summary), v2_only (a
+        driver that predates the v3 structure: it answers a version mismatch)}; absent: NOT_SUPPORTED; fabric_error:
+        an NVML error code."""
         if gpus[h].get("fabric_error"):
             raise FakeNVMLError(gpus[h]["fabric_error"])
         if "fabric" not in gpus[h]:
             raise FakeNVMLError(3)
         f, info = gpus[h]["fabric"], ref._obj
+        if hasattr(info, "healthSummary"):
+            if f.get("v2_only"):
+                raise FakeNVMLError(25)
+            info.healthSummary = f.get("summary", 0)
         info.state, info.status, info.cliqueId = f.get("state", 3), f.get("status", 0), f.get("clique", 0)
         info.healthMask = f.get("health", 0)
         ctypes.memmove(info.clusterUuid, bytes(f.get("cluster", bytes(16)))[:16].ljust(16, b"\0"), 16)

@@ -20,7 +20,9 @@
 - the multi-node sources (docs/fabric.md): `nvidia-smi -q` answered with each GPU's Fabric block (`smi_q`, or a
   captured `-q` through `set_smi_q`; counted apart from the table runs, `smi_q_call_count`), InfiniBand ports with
   their error counters (`set_ib_port`, `set_ib_counters`) and ConnectX functions beside the GPUs (`add_rail`, with
-  pcie_bridges=True), kernel modules (`load_module`: nvidia_peermem) and the IMEX control tool (`set_imex`).
+  pcie_bridges=True), kernel modules (`load_module`: nvidia_peermem) and the IMEX control tool (`set_imex`);
+- a wedged file (`wedge`): any file of the tree replaced with a FIFO no one writes, so that opening it blocks, a
+  stand-in for a sysfs attribute whose driver does not answer (a wedged HCA); `unwedge` lets the readers go.
 """
 
 from __future__ import annotations
@@ -295,6 +297,7 @@ class SimHost:
         self.reset_log = self.root / "smi" / "resets"  # one line per `nvidia-smi -r` run: its arguments
         self._reset: dict[str, Any] = {"mode": "ok"}
         self._apps: dict[int, tuple[int, ...]] = {}
+        self._wedged: set[Path] = set()  # FIFOs placed by wedge()
         self.kmsg = self.root / "kmsg"
         self.boot_id_file = self.root / "boot_id"
         self.state_dir = self.root / "state"
@@ -514,6 +517,36 @@ class SimHost:
         d.mkdir(parents=True, exist_ok=True)
         for name, value in counters.items():
             (d / name).write_text(f"{value}\n")
+
+    def ib_port_file(self, device: str, name: str, port: int = 1) -> Path:
+        """A file of an InfiniBand port: `state`, `rate`, `link_layer`, `counters/link_downed`, ..."""
+        return self.sysfs / "class" / "infiniband" / device / "ports" / str(port) / name
+
+    def link_file(self, gpu: int, name: str = "current_link_width") -> Path:
+        """A PCIe link file of GPU `gpu` (its real directory)."""
+        return Path(os.path.realpath(self.devices / self.sysfs_name(self.gpus[gpu].address))) / name
+
+    def wedge(self, path: Path) -> Path:
+        """Replaces the file at `path` with a FIFO no one writes: a reader's open() blocks until `unwedge`, as a
+        read of an attribute whose driver does not answer does."""
+        path.unlink(missing_ok=True)
+        os.mkfifo(path)
+        self._wedged.add(path)
+        return path
+
+    def unwedge(self, path: Path | None = None, content: str | None = None) -> None:
+        """Lets the readers blocked on the FIFO at `path` (every wedged one when None) go: they read an empty file.
+        content: a regular file with it takes the FIFO's place (None: the FIFO stays, a later open blocks again)."""
+        for p in [path] if path is not None else sorted(self._wedged):
+            try:
+                fd = os.open(p, os.O_WRONLY | os.O_NONBLOCK)  # only succeeds while a reader waits in open()
+                os.close(fd)
+            except OSError:
+                pass  # no reader blocked now
+            if content is not None:
+                p.unlink(missing_ok=True)
+                p.write_text(content)
+                self._wedged.discard(p)
 
     def load_module(self, name: str, loaded: bool = True) -> None:
         """A kernel module as /sys/module/<name> shows a loaded one (nvidia_peermem)."""

@@ -31,11 +31,14 @@ from agent.kernel_log.xid import MAX_LINE as XID_LINE
 from agent.kernel_log.xid import KernelLogParser
 from agent.model import PciAddress, Severity
 from agent.preflight import FAIL, Profile, ProfileError, read_results
+from agent.probes.base import ProbeContext
 from agent.probes.device_plugin import plugin_counts, plugin_findings
 from agent.probes.fabric import MAX_GPUS as FABRIC_MAX_GPUS
 from agent.probes.fabric import fabric_findings, parse_smi_q
+from agent.probes.infiniband import InfinibandProbe
 from agent.probes.nvidia_smi import MAX_LINE as SMI_LINE
 from agent.probes.nvidia_smi import parse_smi_table, smi_findings
+from agent.probes.sysfs import SysfsReader
 from agent.settings import INT_LIMIT, in_range, to_float, to_int, to_int_list
 from agent.state import read_boot_id
 from testkit.fixture_files import FIXTURES
@@ -450,6 +453,44 @@ def test_endless_and_special_files_are_refused_without_waiting(kind: str, reader
                     finishes(lambda: load(path))
                 assert "\n" not in str(ei.value)
         finally:
+            if listener is not None:
+                listener.close()
+
+
+RAIL_FILES = ["counters/link_downed", "counters/port_rcv_errors", "state", "phys_state", "rate", "link_layer"]
+
+
+@budget(30)
+@given(st.sampled_from(SPECIAL_FILES), st.sampled_from(RAIL_FILES))
+def test_special_files_at_a_rail_file_finish_and_are_never_a_healthy_rail(kind: str, name: str) -> None:
+    """Whatever sits where an InfiniBand attribute should be (a FIFO nobody writes, an endless device, a directory,
+    a socket), the rails probe returns within its deadline, holds at most its bound of blocked threads, and a file it
+    could not read is never a healthy rail."""
+    with tempfile.TemporaryDirectory() as d:
+        host = SimHost(Path(d) / "h", gpus=1, extra_functions=False)
+        host.set_ib_port("mlx5_0")
+        target = host.ib_port_file("mlx5_0", name)
+        target.unlink()
+        listener = None
+        if kind == "fifo":
+            host.wedge(target)
+        elif kind == "dir":
+            target.mkdir()
+        elif kind == "socket":
+            listener = socket.socket(socket.AF_UNIX)
+            listener.bind(str(target))
+        else:
+            target.symlink_to(kind)
+        reader = SysfsReader(0.05, max_blocked=2)
+        try:
+            r = finishes(lambda: InfinibandProbe(str(host.sysfs), reader=reader).read(ProbeContext()), 30)
+            assert reader.blocked <= 2
+            if kind == "fifo" or name in ("state", "phys_state"):
+                assert not r.ran  # could not check
+            else:  # a rate, layer or counter that is not one: judged without it, never a rail that reads up
+                assert r.ran or r.findings[0].severity is Severity.UNCHECKED
+        finally:
+            host.unwedge(content="0\n")
             if listener is not None:
                 listener.close()
 

@@ -1,7 +1,8 @@
 """Defects found in the device-plugin count, the nvidia-smi parser and runner, the kernel-log reader, the HTTP
 server and the --node-json reader, each reproduced, then held fixed: mig.strategy=single with MIG disabled, ERR!
 in the MIG devices section and duplicated bus ids, both shapes of nvidia-smi's handle error, linear-time parsing
-and bounded lines, nvidia-smi's output cap and process tree, a bounded HTTP server, and any --node-json shape.
+and bounded lines, nvidia-smi's output cap and process tree, a bounded HTTP server, any --node-json shape, and a
+sysfs file that never answers.
 
 Real processes everywhere (nvidia-smi stand-ins, the real HTTP server, the real CLI); only the GPU is faked.
 """
@@ -543,3 +544,26 @@ def test_sysfs_attributes_are_read_bounded(simhost, monkeypatch):
     gpus = list_pci_gpus(str(simhost.sysfs))
     assert len(gpus) == 7 and simhost.gpus[0].address not in {g.address for g in gpus}
     assert read_sizes and max(read_sizes) <= 64, max(read_sizes)  # at most 64 bytes of any attribute
+
+
+def test_check_with_a_wedged_sysfs_file_ends_unknown_with_one_line(tmp_path):
+    """A FIFO nobody writes at an InfiniBand port's `state` (a wedged HCA): `gpu-ready check` in a real process ends
+    (its blocked reader thread does not hold up the exit), exit 3 Unknown, and one line names the file."""
+    host = SimHost(tmp_path / "h", pcie_bridges=True)
+    for i in range(8):
+        host.add_rail(f"mlx5_{i}", gpu=i)
+    wedged = host.wedge(host.ib_port_file("mlx5_6", "state"))
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "agent", "check", *host.check_args()],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+        )
+    finally:
+        host.unwedge(content="4: ACTIVE\n")
+    assert out.returncode == 3 and "Traceback" not in out.stderr + out.stdout, out.stderr
+    named = [line for line in out.stdout.splitlines() if str(wedged) in line]
+    assert len(named) == 1 and "did not answer within" in named[0], out.stdout
+    assert "GPUReady=Unknown  reason=CheckFailed" in out.stdout

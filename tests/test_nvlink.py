@@ -191,3 +191,35 @@ def test_the_in_memory_default_remembers_per_gpu():
     m.note_nvlinks_up("a", [1, 2])
     m.note_nvlinks_up("a", [3])
     assert m.nvlinks_seen_up("a") == {1, 2, 3} and m.nvlinks_seen_up("b") == frozenset()
+
+
+def test_check_json_shows_each_gpus_links(simhost):
+    """`check --json` `multinode.nvlink`: a PCIe A100 without a bridge shows its links, none up, not fitted."""
+    from agent.checks import CheckSuite
+    from agent.cli import multinode_json
+
+    _, states = smi_links(A100_PCIE, 12)
+    paths = {"nvidia_smi": str(simhost.nvidia_smi), "sysfs_root": str(simhost.sysfs)}
+    paths |= {"dev_root": str(simhost.make_dev_nodes()), "proc_root": str(simhost.proc)}
+    probe, _ = probe_on(states, "NVIDIA A100 80GB PCIe")
+    suite = CheckSuite(config.defaults(**paths), nvml=probe)
+    suite.run(None, one_shot=True)
+    assert multinode_json(suite)["nvlink"] == [
+        {"pci_bus_id": "00000000:19:00.0", "links": 12, "up": [], "down": [], "fitted": False, "judged": True}
+    ]
+
+
+def test_far_ends_are_asked_once_per_link():
+    """A PCIe GPU without a bridge: its 12 links' far ends are asked at the first read only, not every cycle."""
+    calls = []
+    p, _ = probe_on([0] * 12, "NVIDIA A100 80GB PCIe")
+    real = p._lib().nvmlDeviceGetNvLinkRemoteDeviceType
+
+    def counted(h, link):
+        calls.append(link)
+        return real(h, link)
+
+    p._lib().nvmlDeviceGetNvLinkRemoteDeviceType = counted
+    for _ in range(3):
+        assert [x.kind for x in nvlink_findings(p)[0]] == ["nvlink_absent"]
+    assert calls == list(range(12))

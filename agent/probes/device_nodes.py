@@ -18,6 +18,7 @@ from pathlib import Path
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason
 from agent.probes.base import ProbeContext
 from agent.probes.pci import PciScanKey
+from agent.probes.sysfs import READER, SysfsReader, read_bytes
 from agent.settings import Setting, to_bool, to_str
 
 _GPU_NODE = re.compile(r"^nvidia(\d{1,3})$")
@@ -50,11 +51,12 @@ def read_minor_numbers(proc_root: str, gpus: Sequence[PciAddress]) -> dict[PciAd
     out: dict[PciAddress, int] = {}
     base = os.path.join(proc_root, "driver", "nvidia", "gpus")
     for g in gpus:
-        try:
-            with open(f"{base}/{g.domain:04x}:{g.bus:02x}:{g.device:02x}.0/information", "rb") as fh:
-                m = _MINOR.search(fh.read(8192).decode("utf-8", "replace"))
+        path = f"{base}/{g.domain:04x}:{g.bus:02x}:{g.device:02x}.0/information"
+        try:  # probes/sysfs.py: under the deadline; one that does not answer is left out like a missing one
+            text = read_bytes(path, 8192).decode("utf-8", "replace")
         except OSError:
             continue
+        m = _MINOR.search(text)
         if m:
             out[g] = int(m.group(1))
     return out
@@ -153,8 +155,10 @@ class DeviceNodesProbe:
 
     check = Check.DEVICE_NODES
 
-    def __init__(self, thresholds: DeviceNodeThresholds, proc_root: str = "/proc") -> None:
-        self.thresholds, self.proc_root = thresholds, proc_root
+    def __init__(
+        self, thresholds: DeviceNodeThresholds, proc_root: str = "/proc", reader: SysfsReader = READER
+    ) -> None:
+        self.thresholds, self.proc_root, self.reader = thresholds, proc_root, reader
         self._minors: tuple[object, dict[PciAddress, int]] = ((), {})
 
     def read(self, context: ProbeContext) -> ProbeResult:
@@ -164,7 +168,10 @@ class DeviceNodesProbe:
             return ProbeResult(Check.DEVICE_NODES)
         key, minors = self._minors
         if scan is None or key != scan.key or len(minors) < len(on_pci):
-            minors = read_minor_numbers(self.proc_root, on_pci)
+            try:
+                minors = self.reader.run(read_minor_numbers, self.proc_root, on_pci, what="reading the GPU minors")
+            except OSError:  # Blocked: the driver's files did not answer; each GPU's node is counted instead
+                minors = {}
             self._minors = (scan.key if scan is not None else (), minors)
         mig = any(g.mig_enabled for r in context.results.values() for g in r.gpus)
         findings = device_node_findings(self.thresholds, minors=minors, gpu_count=len(on_pci), mig_enabled=mig)

@@ -18,12 +18,17 @@ Judged, per GPU:
   FabricNotReady (`fabric_failed`);
 - a health field that reports an incorrect configuration (wrong system GUID or chassis, no partition, too few
   NVLinks, incompatible firmware, invalid location or GPU state): FabricNotReady (`fabric_misconfigured`);
+- a health summary Unhealthy: FabricNotReady (`fabric_unhealthy`): NVIDIA's DRA driver leaves such a GPU out of its
+  clique, so multi-node work cannot use it. NVML gives the summary in its v3 fabric structure (read first; a driver
+  that predates it answers a version mismatch and the v2 structure, without a summary, is read instead);
 - a health field that reports degraded bandwidth, a route recovery in progress, an unhealthy route, an access
-  timeout recovery, a disconnected global fabric manager or a summary other than Healthy: GPUDegraded
+  timeout recovery, a disconnected global fabric manager or a summary of limited capacity: GPUDegraded
   (`fabric_degraded`): work runs, slower or on fewer routes.
-State N/A (NVML NOT_SUPPORTED: PCIe GPUs, systems without a fabric), or no Fabric block at all (a driver that reports
-no fabric state), is "not applicable": nothing is reported. A GPU whose fabric call fails otherwise, or an
-`nvidia-smi -q` that fails, is "could not check". The clique ID and cluster UUID of each GPU are in `check --json`
+State N/A (NVML NOT_SUPPORTED: PCIe GPUs, systems without a fabric), or a GPU section without a Fabric block (a
+driver that reports no fabric state), is "not applicable": nothing is reported. A GPU whose fabric call fails
+otherwise, an `nvidia-smi -q` that fails, or one whose output is not what nvidia-smi prints (empty, binary, indented
+with tabs, a GPU section twice, a GPU nvidia-smi lists without a section) is "could not check", never "no fabric",
+and is not remembered as one. The clique ID and cluster UUID of each GPU are in `check --json`
 and the metric `gpu_ready_fabric_info` (the GPUs of one NVLink domain share them)."""
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ STATE_NAMES = {0: NOT_APPLICABLE, 1: "Not Started", 2: "In Progress", 3: "Comple
 # Health values that say nothing is wrong, in nvidia-smi's words and in the ones decode_health gives NVML's bits.
 HEALTHY_VALUES = frozenset({"N/A", "False", "None", "Healthy", "Full", "Not Supported", "Connected", "No", ""})
 MISCONFIGURATION_FIELD = "Incorrect Configuration"
+SUMMARY_FIELD = "Summary"
+UNHEALTHY = "Unhealthy"
+SUMMARY_NAMES = {1: "Healthy", 2: UNHEALTHY, 3: "Limited Capacity"}  # NVML_GPU_FABRIC_HEALTH_SUMMARY_*; 0: none
+VERSION_MISMATCH = 25  # NVML_ERROR_ARGUMENT_VERSION_MISMATCH: the driver predates the structure's version
 # nvmlGpuFabricInfo healthMask fields (nvml.h, NVML_GPU_FABRIC_HEALTH_MASK_*): name, shift, width, bad value(s).
 _TRUE = 1
 INCORRECT_CONFIGURATION = {
@@ -117,9 +126,13 @@ def _field(mask: int, shift: int, width: int) -> int:
     return (mask >> shift) & width
 
 
-def decode_health(mask: int) -> dict[str, str]:
-    """NVML's fabric health mask in nvidia-smi's names; fields the GPU does not support are left out."""
+def decode_health(mask: int, summary: int = 0) -> dict[str, str]:
+    """NVML's fabric health mask and summary in nvidia-smi's names; fields the GPU does not support are left out."""
     out: dict[str, str] = {}
+    if summary in SUMMARY_NAMES:
+        out[SUMMARY_FIELD] = SUMMARY_NAMES[summary]
+    elif summary:
+        out[SUMMARY_FIELD] = f"code {summary}"
     for name, shift, yes, no in (
         ("Bandwidth", 0, "Degraded", "Full"),
         ("Route Recovery in progress", 2, "True", "False"),
@@ -139,19 +152,26 @@ def decode_health(mask: int) -> dict[str, str]:
 
 
 def nvml_fabric(nv: Any, handle: Any, address: PciAddress) -> FabricInfo:
-    """One GPU's fabric through NVML (called in the NVML probe's worker). NOT_SUPPORTED, or a library without the
-    call: not applicable. Another NVML error raises it (the GPU's fabric could not be read)."""
+    """One GPU's fabric through NVML (called in the NVML probe's worker): the v3 structure (with the health summary),
+    else, on a driver that answers a version mismatch, the v2 one. NOT_SUPPORTED, or a library without the call:
+    not applicable. Another NVML error raises it (the GPU's fabric could not be read)."""
     get = getattr(nv, "nvmlDeviceGetGpuFabricInfoV", None)
-    struct = getattr(nv, "c_nvmlGpuFabricInfoV_t", None)
-    if get is None or struct is None:
+    structs: list[Any] = [
+        x for x in (getattr(nv, n, None) for n in ("c_nvmlGpuFabricInfo_v3_t", "c_nvmlGpuFabricInfoV_t")) if x
+    ]
+    if get is None or not structs:
         return FabricInfo(address)
-    info = struct()
-    try:
-        get(handle, nv.byref(info))
-    except nv.NVMLError as e:
-        if getattr(e, "value", None) == getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3):
-            return FabricInfo(address)
-        raise
+    for i, struct in enumerate(structs):
+        info = struct()
+        try:
+            get(handle, nv.byref(info))
+            break
+        except nv.NVMLError as e:
+            code = getattr(e, "value", None)
+            if code == getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3):
+                return FabricInfo(address)
+            if code != getattr(nv, "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", VERSION_MISMATCH) or i == len(structs) - 1:
+                raise
     state = STATE_NAMES.get(int(info.state), f"state {int(info.state)}")
     if state == NOT_APPLICABLE:
         return FabricInfo(address)
@@ -162,7 +182,7 @@ def nvml_fabric(nv: Any, handle: Any, address: PciAddress) -> FabricInfo:
         "Success" if status == 0 else _nvml_error_name(nv, status),
         int(info.cliqueId),
         _uuid(info.clusterUuid),
-        decode_health(int(getattr(info, "healthMask", 0))),
+        decode_health(int(getattr(info, "healthMask", 0)), int(getattr(info, "healthSummary", 0))),
     )
 
 
@@ -221,6 +241,34 @@ def parse_smi_q(text: str) -> dict[PciAddress, FabricInfo]:
     return out
 
 
+def smi_q_problem(text: str, gpus: Iterable[PciAddress]) -> str | None:
+    """Why `nvidia-smi -q` output is not what nvidia-smi prints for these GPUs; None when it is (one linear pass):
+    empty, binary (NUL, other control characters, undecodable bytes), indented with tabs (nvidia-smi indents with
+    spaces), a GPU's section twice, or a GPU the table listed without a section."""
+    if not text.strip():
+        return "is empty"
+    if _BINARY.search(text):
+        return "is not text (control characters or undecodable bytes)"
+    seen: set[PciAddress] = set()
+    for raw in text.splitlines():
+        if raw.startswith("\t") or raw.startswith(" \t"):
+            return "is indented with tabs, not as nvidia-smi prints it"
+        m = _GPU_LINE.match(raw[:MAX_LINE].rstrip())
+        if m:
+            addr = PciAddress.parse(m[1])
+            if addr in seen:
+                return f"lists GPU {m[1]} twice"
+            if addr is not None:
+                seen.add(addr)
+    missing = sorted(set(gpus) - seen)
+    if missing:
+        return f"has no section for {len(missing)} GPUs nvidia-smi lists (e.g. {missing[0].nvml})"
+    return None
+
+
+_BINARY = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffd]")
+
+
 def _info(gpu: PciAddress, block: Mapping[str, str], health: Mapping[str, str]) -> FabricInfo:
     state = block.get("State", NOT_APPLICABLE)
     if state in NOT_APPLICABLE_WORDS:
@@ -276,6 +324,17 @@ def fabric_findings(infos: Iterable[FabricInfo]) -> list[Finding]:
             )
             continue
         bad = [f"{k}: {v}" for k, v in g.health.items() if k != MISCONFIGURATION_FIELD and v not in HEALTHY_VALUES]
+        if g.health.get(SUMMARY_FIELD) == UNHEALTHY:
+            out.append(
+                Finding.fault(
+                    Check.FABRIC,
+                    Reason.FABRIC_NOT_READY,
+                    f"NVLink fabric health: {', '.join(bad)}: NVIDIA's DRA driver leaves this GPU out of its clique",
+                    g.gpu,
+                    kind="fabric_unhealthy",
+                )
+            )
+            continue
         if bad:
             out.append(
                 Finding.fault(
@@ -341,6 +400,9 @@ class FabricProbe:
         if run.exit_code != 0 or run.output_capped:
             why = run.error or ("timed out" if run.timed_out else f"exit code {run.exit_code}")
             return self._unchecked(f"NVLink fabric: nvidia-smi -q failed: {why}")
+        problem = smi_q_problem(run.output, key)
+        if problem is not None:  # not what nvidia-smi prints: could not check, and not remembered as "no fabric"
+            return self._unchecked(f"NVLink fabric: nvidia-smi -q output {problem}")
         infos = parse_smi_q(run.output)
         # A GPU without a Fabric block: a driver that reports no fabric state (not applicable, as N/A is).
         for g in smi.gpus:

@@ -28,7 +28,9 @@ from typing import Any
 
 from agent.model import Check, Finding, ProbeResult, Reason
 from agent.probes.base import ProbeContext
+from agent.probes.bounded import Blocked
 from agent.probes.fabric import FabricReport
+from agent.probes.sysfs import READER, SysfsReader, read_bytes
 from agent.settings import Setting, host_port, optional, to_bool
 
 NVIDIA = 0x10DE
@@ -48,9 +50,12 @@ class FabricManagerReport:
 
 
 def _hex(path: str) -> int | None:
+    """A sysfs attribute such as `0x10de` (probes/sysfs.py, under the deadline); None when it cannot be read or
+    parsed. A read that does not answer raises Blocked: the scan is then "could not check"."""
     try:
-        with open(path, "rb") as fh:
-            return int(fh.read(32).strip() or b"x", 16)
+        return int(read_bytes(path, 32).strip() or b"x", 16)
+    except Blocked:
+        raise
     except (OSError, ValueError):
         return None
 
@@ -58,25 +63,30 @@ def _hex(path: str) -> int | None:
 class NvswitchScanner:
     """The NVSwitches on PCI, by function name; a function's vendor and class are read once."""
 
-    def __init__(self, sysfs_root: str) -> None:
+    def __init__(self, sysfs_root: str, reader: SysfsReader = READER) -> None:
         self.root = os.path.join(sysfs_root, "bus", "pci", "devices")
+        self.reader = reader
         self._known: dict[str, bool] = {}
 
     def scan(self) -> list[str]:
-        """Raises OSError when the listing exists but cannot be read (could not check)."""
+        """Raises OSError when the listing exists but cannot be read, or a new function's files do not answer within
+        the deadline (Blocked: probes/sysfs.py, read on its worker in one hand-off): could not check."""
         try:
             names = sorted(os.listdir(self.root))[:MAX_FUNCTIONS]
         except FileNotFoundError:
             return []
-        known = {}
-        for n in names:
-            hit = self._known.get(n)
-            if hit is None:
-                vendor, cls = _hex(f"{self.root}/{n}/vendor"), _hex(f"{self.root}/{n}/class")
-                hit = vendor == NVIDIA and cls is not None and cls >> 8 == NVSWITCH_CLASS
-            known[n] = hit
+        new = [n for n in names if n not in self._known]
+        read = self.reader.run(self._nvswitch, new, what="reading the new PCI functions") if new else {}
+        known = {n: read[n] if n in read else self._known[n] for n in names}
         self._known = known
         return [n for n, hit in known.items() if hit]
+
+    def _nvswitch(self, names: list[str]) -> dict[str, bool]:
+        out = {}
+        for n in names:
+            vendor, cls = _hex(f"{self.root}/{n}/vendor"), _hex(f"{self.root}/{n}/class")
+            out[n] = vendor == NVIDIA and cls is not None and cls >> 8 == NVSWITCH_CLASS
+        return out
 
 
 class Unresolvable(Exception):

@@ -32,8 +32,10 @@ drivers) is not read, one that exists but does not read (a driver refusing it) i
 A rail's counter that reads but is not a number is "could not check" (`counters_garbled`). A counter at the top of
 its width (the kernel's PMA attributes: `link_downed` and `link_error_recovery` 8 bits, `symbol_error` and
 `port_rcv_errors` 16 bits) has saturated: reported (info, `counter_saturated`, and in `check --json`); it no longer
-moves, so that rail's flaps are seen from state changes only. Each file read is one bounded read. The error counters
-other than `link_downed` are reported (metrics, `check --json`), not judged.
+moves, so that rail's flaps are seen from state changes only. Each file read is one bounded read under a deadline
+(probes/sysfs.py): a read that does not answer (a wedged HCA) makes the probe "could not check", whichever file it
+was; the ports, link layers and NIC model are read once per device (PortLayout). The error counters other than
+`link_downed` are reported (metrics, `check --json`), not judged.
 
 Each GPU's rail: the InfiniBand device whose PCI function shares the longest stretch of the GPU's sysfs path below
 the root complex (the same PCIe switch or root port; nothing shared: no rail), resolved again only when the devices
@@ -51,6 +53,8 @@ from typing import Any
 
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason
 from agent.probes.base import ProbeContext
+from agent.probes.bounded import Blocked
+from agent.probes.sysfs import READER, SysfsReader, read_bytes
 from agent.settings import DAY, Setting, in_range, optional, positive, to_bool, to_float, to_int, to_str
 
 ACTIVE, LINK_UP = 4, 5
@@ -101,19 +105,16 @@ class Unreadable(Exception):
 
 
 def _read(path: str) -> str | None:
-    """The file's first line; None when it does not exist; Unreadable when it exists but cannot be read."""
+    """The file's first line; None when it does not exist; Unreadable when it exists but cannot be read. A read that
+    blocks (a wedged HCA) raises Blocked, which no caller here swallows: the whole signal is "could not check"."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return read_bytes(path).decode("ascii", "replace").partition("\n")[0]
     except FileNotFoundError:
         return None
+    except Blocked:
+        raise
     except OSError as e:
         raise Unreadable(f"{path}: {e.strerror}") from None
-    try:
-        return os.read(fd, 64).decode("ascii", "replace").partition("\n")[0]
-    except OSError as e:
-        raise Unreadable(f"{path}: {e.strerror}") from None
-    finally:
-        os.close(fd)
 
 
 def _state(path: str) -> tuple[int, str]:
@@ -146,20 +147,22 @@ def _counters(base: str) -> tuple[dict[str, int], tuple[str, ...], tuple[str, ..
     return out, tuple(errors), tuple(garbled)
 
 
-def device_names(root: str) -> list[str]:
-    """Every device under `root` (<sysfs>/class/infiniband), sorted; an absent `root` is no device."""
-    try:
-        return sorted(os.listdir(root))
-    except FileNotFoundError:
-        return []
-    except OSError as e:
-        raise Unreadable(f"{root}: {e.strerror}") from None
+class PortLayout:
+    """What does not change while an InfiniBand device stays: its ports, each port's link layer and the device's NIC
+    model (the port type changes only with a firmware reset, which re-creates the device). Kept per device with the
+    inode of its entry under the class directory (a device removed and added again is another entry: read again);
+    the state, the rate and the counters are read every poll."""
+
+    def __init__(self) -> None:
+        self.devices: dict[str, tuple[int, tuple[tuple[str, str], ...], str]] = {}
+        self.total = 0  # devices under the class directory at the last read (beyond MAX_DEVICES: not read)
 
 
 def _nic_model(root: str, dev: str) -> str:
+    """The device's NIC model: its `hca_type` (e.g. MT4129), else its `board_id`; "" when neither reads."""
     for name in ("hca_type", "board_id"):
         try:
-            text = (_read(os.path.join(root, dev, name)) or "").strip()
+            text = (_read(f"{root}/{dev}/{name}") or "").strip()
         except Unreadable:
             continue
         if text:
@@ -167,33 +170,48 @@ def _nic_model(root: str, dev: str) -> str:
     return ""
 
 
-def read_ports(
-    root: str, counters: bool = True, devices: list[str] | None = None, nics: dict[str, str] | None = None
-) -> list[Port]:
-    """Every port of the InfiniBand devices under `root` (<sysfs>/class/infiniband): `devices` (default: all, up to
-    MAX_DEVICES), sorted. Raises Unreadable when a port's state cannot be read. nics: each device's NIC model, kept
-    by the caller across reads (read once per device)."""
-    if devices is None:
-        devices = device_names(root)[:MAX_DEVICES]
-    nics = {} if nics is None else nics
+def _device_layout(root: str, dev: str) -> tuple[tuple[tuple[str, str], ...], str]:
+    """(port, link layer) of each port of `dev`, in port order, and its NIC model."""
+    ports_dir = f"{root}/{dev}/ports"
+    try:
+        ports = sorted(os.listdir(ports_dir), key=lambda p: (len(p), p))[:MAX_PORTS]
+    except OSError as e:
+        raise Unreadable(f"{ports_dir}: {e.strerror}") from None
+    layers = tuple((p, (_read(f"{ports_dir}/{p}/link_layer") or "").strip()[:16]) for p in ports)
+    return layers, _nic_model(root, dev)
+
+
+def read_ports(root: str, counters: bool = True, layout: PortLayout | None = None) -> list[Port]:
+    """Every port of the InfiniBand devices under `root` (<sysfs>/class/infiniband), sorted: every device, up to
+    MAX_DEVICES (`layout.total` says how many there were). Raises Unreadable when a port's state cannot be read,
+    Blocked when a read does not answer; an absent `root` is no device. layout: the devices' ports, link layers and
+    NIC models from earlier polls (kept and updated; None reads them all)."""
+    try:
+        with os.scandir(root) as it:
+            entries = sorted((e.name, e.inode()) for e in it)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise Unreadable(f"{root}: {e.strerror}") from None
+    known = layout.devices if layout is not None else {}
+    fresh = {}
     out = []
-    for dev in devices:
-        if dev not in nics:
-            nics[dev] = _nic_model(root, dev)
-        ports_dir = os.path.join(root, dev, "ports")
-        try:
-            ports = sorted(os.listdir(ports_dir), key=lambda p: (len(p), p))[:MAX_PORTS]
-        except OSError as e:
-            raise Unreadable(f"{ports_dir}: {e.strerror}") from None
-        for p in ports:
-            base = os.path.join(ports_dir, p)
-            rate = _read(os.path.join(base, "rate"))
+    for dev, ino in entries[:MAX_DEVICES]:
+        got = known.get(dev)
+        if got is None or got[0] != ino:
+            got = (ino, *_device_layout(root, dev))
+        fresh[dev] = got
+        for p, layer in got[1]:
+            base = f"{root}/{dev}/ports/{p}"
+            rate = _read(base + "/rate")
             m = _RATE.match(rate or "")
-            layer = (_read(os.path.join(base, "link_layer")) or "").strip()[:16]
             values, errors, garbled = _counters(base) if counters else ({}, (), ())
             state, phys = _state(base + "/state"), _state(base + "/phys_state")
             rate_gbps = float(m[1]) if m else None
-            out.append(Port(dev, p, state, phys, rate_gbps, layer, values, errors, nics[dev], garbled))
+            out.append(Port(dev, p, state, phys, rate_gbps, layer, values, errors, got[2], garbled))
+    if layout is not None:
+        # only after every read answered: a call abandoned at its deadline changes nothing
+        layout.devices, layout.total = fresh, len(entries)
     return out
 
 
@@ -478,23 +496,21 @@ class InfinibandProbe:
         expected_nics: int | None = None,
         min_rate_gbps: float | None = None,
         thresholds: IbThresholds | None = None,
+        reader: SysfsReader = READER,
     ) -> None:
         self.sysfs_root = sysfs_root
+        self.reader, self.layout = reader, PortLayout()
         self.root = os.path.join(sysfs_root, "class", "infiniband")
         self.t = thresholds or IbThresholds(expected_nics, min_rate_gbps, rate_peers=False)
         self.tracker = FlapTracker(self.t.flaps)
         self._rails_key: tuple[tuple[str, ...], tuple[PciAddress, ...]] | None = None
         self._rails: dict[PciAddress, str] = {}
         self._affine: set[str] = set()
-        self._nics: dict[str, str] = {}  # each device's NIC model, read once
 
     def read(self, context: ProbeContext) -> ProbeResult:
         try:
-            names = device_names(self.root)
-            if set(self._nics) - set(names):
-                self._nics = {d: m for d, m in self._nics.items() if d in names}
-            ports = read_ports(self.root, devices=names[:MAX_DEVICES], nics=self._nics)
-        except Unreadable as e:
+            ports = self.reader.run(read_ports, self.root, True, self.layout, what="reading the InfiniBand ports")
+        except (Unreadable, Blocked) as e:
             return ProbeResult.of(Check.INFINIBAND, (Finding.unchecked(Check.INFINIBAND, f"InfiniBand: {e}"),))
         rails_map: dict[PciAddress, str] = {}
         affine: set[str] = set()
@@ -511,12 +527,13 @@ class InfinibandProbe:
         findings += self.tracker.findings(rails)
         report = RailReport(ports, {(p.device, p.port): self.tracker.flaps(p.device, p.port) for p in ports})
         report.gpu_rails, report.rails, report.rails_from = rails_map, rails, how
-        report.not_read = max(0, len(names) - MAX_DEVICES)
+        report.not_read = max(0, self.layout.total - MAX_DEVICES)
         if report.not_read:
             findings.append(
                 Finding.unchecked(
                     Check.INFINIBAND,
-                    f"InfiniBand: {report.not_read} of {len(names)} devices not read (at most {MAX_DEVICES} per cycle)",
+                    f"InfiniBand: {report.not_read} of {self.layout.total} devices not read (at most {MAX_DEVICES} "
+                    "per cycle)",
                     kind="devices_not_read",
                 )
             )

@@ -2,8 +2,8 @@
 
 Per GPU: a handle error (GPU lost, reset required, unknown), a GPU recovery action other than none,
 a row-remap failure (pending remaps are reported, not a fault), NVLink links down where NVLink is fitted.
-Every call runs in a worker thread under a deadline; a call that never returns is abandoned and no further
-NVML call starts while it is stuck.
+Every call runs in a worker thread under a deadline (probes/bounded.py, the mechanism the sysfs reads share); a call
+that never returns is abandoned and no further NVML call starts while it is stuck.
 
 NVLink is judged against what is fitted, not against every link index NVML answers: a PCIe GPU without bridges
 (A100/H100 PCIe) answers every link as disabled, and a bridged pair uses only some of its links. A link not up is
@@ -19,7 +19,6 @@ done by those probes."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import fnmatch
 import threading
 from collections.abc import Collection, Sequence
@@ -28,6 +27,7 @@ from typing import Any
 
 from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult, Reason
 from agent.probes.base import ProbeContext
+from agent.probes.bounded import Blocked, BoundedCalls
 from agent.probes.clocks import ClockSample, nvml_clock_sample
 from agent.probes.fabric import FabricInfo, nvml_fabric
 from agent.probes.pcie import GpuLoad, nvml_pcie_load
@@ -47,8 +47,7 @@ RECOVERY_ACTIONS = {
 HANDLE_FAULT_CODES = {15: "GPU is lost (fell off the bus)", 16: "GPU requires reset", 999: "unknown error"}
 
 
-class NvmlTimeout(Exception):
-    pass
+NvmlTimeout = Blocked  # an NVML call that did not return within the deadline, or one refused while another is stuck
 
 
 @dataclass
@@ -208,12 +207,12 @@ class NvmlProbe:
         self.links: Any = LinkMemory()  # links seen up in this boot (the agent hands its state file instead)
         self.expected_nvlinks: int | None = None  # every GPU's links up (expectedNvlinks)
         self.nvlink_profiles: tuple[tuple[str, int], ...] = ()  # per model (nvlinkProfiles)
+        self._far_ends: dict[str, dict[int, bool]] = {}  # per GPU: each link asked, whether NVML named its far end
         self.read_load, self.read_clocks, self.read_uuids = pcie_load, clock_events, uuids
         self.read_fabric = False
         self.snapshot: NvmlSnapshot | None = None  # the last probe()'s readings
         self._nvml = nvml
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
-        self._stuck: concurrent.futures.Future[Any] | None = None
+        self._calls = BoundedCalls("NVML", deadline_s, max_blocked=1)  # one stuck call: no further call starts
         self._initialized = False
         self._lock = threading.Lock()
 
@@ -225,18 +224,7 @@ class NvmlProbe:
         return self._nvml
 
     def _call(self, fn: Any, *args: Any) -> Any:
-        if self._stuck is not None and not self._stuck.done():
-            raise NvmlTimeout("a previous NVML call is still blocked")
-        fut = self._pool.submit(fn, *args)
-        try:
-            return fut.result(timeout=self.deadline_s)
-        except concurrent.futures.TimeoutError:
-            self._stuck = fut
-            # The blocked worker cannot be killed; use a fresh pool for later calls once it returns.
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
-            raise NvmlTimeout(
-                f"{getattr(fn, '__name__', 'NVML call')} did not return within {self.deadline_s:g}s"
-            ) from None
+        return self._calls.call(fn, *args)
 
     check = Check.NVML
 
@@ -414,7 +402,13 @@ class NvmlProbe:
         seen = self.links.nvlinks_seen_up(key)
         if gpu.nvlink_up and not set(gpu.nvlink_up) <= seen:
             self.links.note_nvlinks_up(key, gpu.nvlink_up)
-        remote = self._remote_ends(nv, h, [i for i, u in enumerate(states) if not u and i not in seen])
+        # A link's far end is asked once per GPU while the agent runs: a bridge or a switch is not fitted at run time.
+        asked = self._far_ends.setdefault(key, {})
+        new = [i for i, u in enumerate(states) if not u and i not in seen and i not in asked]
+        if new:
+            found = self._remote_ends(nv, h, new)
+            asked.update({i: i in found for i in new})
+        remote = {i for i, wired in asked.items() if wired}
         v = nvlink_verdict(
             states,
             seen,
@@ -440,6 +434,23 @@ class NvmlProbe:
             if int(kind) in NVLINK_REMOTE_TYPES:
                 out.add(link)
         return out
+
+
+def nvlink_json(snap: NvmlSnapshot) -> list[dict[str, Any]]:
+    """Each GPU's NVLinks as read (`check --json` `multinode.nvlink`): those NVML answers, up, judged down, and
+    whether NVLink is fitted (false: every link disabled and nothing says one should be up)."""
+    return [
+        {
+            "pci_bus_id": g.address.nvml if g.address is not None else None,
+            "links": g.nvlink_links,
+            "up": list(g.nvlink_up),
+            "down": list(g.nvlink_down),
+            "fitted": g.nvlink_fitted,
+            "judged": not g.mig_enabled,
+        }
+        for g in snap.gpus
+        if g.nvlink_links
+    ]
 
 
 def _lost_or_skip(nv: Any, e: Exception, addr: PciAddress | None, what: str) -> list[Finding]:

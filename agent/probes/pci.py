@@ -9,6 +9,8 @@ from dataclasses import dataclass, replace
 
 from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult
 from agent.probes.base import ProbeContext
+from agent.probes.bounded import Blocked
+from agent.probes.sysfs import READER, SysfsReader, read_bytes
 from agent.settings import Setting, to_str
 
 NVIDIA_VENDOR = 0x10DE
@@ -24,18 +26,14 @@ class PciGpu:
 
 
 def _read_hex(path: str) -> int | None:
-    """A sysfs attribute such as `0x10de`; at most 64 bytes are read (a real one is under 10). Plain `os`
-    calls: no file object, no pathlib (the scan reads every PCI function's vendor each cycle)."""
+    """A sysfs attribute such as `0x10de` (probes/sysfs.py: at most 64 bytes, a real one is under 10); None when it
+    cannot be read or parsed. A read that does not answer raises Blocked: the scan is then "could not check"."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        return int(os.read(fd, 64).strip(), 16)
+        return int(read_bytes(path).strip(), 16)
+    except Blocked:
+        raise
     except (OSError, ValueError):
         return None
-    finally:
-        os.close(fd)
 
 
 def _driver(dev: str) -> str | None:
@@ -78,20 +76,25 @@ class PciScanner:
     scan saw changed, for the caches built on it (PCIe link paths in probes/pcie.py, device minors in
     probes/device_nodes.py)."""
 
-    def __init__(self, sysfs_root: str = "/sys") -> None:
+    def __init__(self, sysfs_root: str = "/sys", reader: SysfsReader = READER) -> None:
         self.base = os.path.join(sysfs_root, "bus", "pci", "devices") + "/"
+        self.reader = reader
         self._known: dict[str, tuple[int, tuple[PciAddress, int] | str | None]] = {}
         self.key: tuple[tuple[str, int, str | None], ...] = ()
 
     def scan(self) -> list[PciGpu]:
-        """Raises OSError when the PCI device directory cannot be read at all."""
+        """Raises OSError when the PCI device directory cannot be read at all, Blocked when a new function's files do
+        not answer within the deadline (probes/sysfs.py: they are read on its worker, in one hand-off; a scan with
+        no new function reads no file, only the listing and the driver links)."""
         with os.scandir(self.base) as it:
             entries = sorted((e.name, e.inode()) for e in it)
-        known, fresh = self._known, {}
-        gpus, key = [], []
+        known = self._known
+        new = [e for e, ino in entries if (got := known.get(e)) is None or got[0] != ino]
+        read = self.reader.run(self._identities, new, what="reading the new PCI functions") if new else {}
+        fresh, gpus, key = {}, [], []
         for entry, ino in entries:
             got = known.get(entry)
-            ident = got[1] if got is not None and got[0] == ino else _identity(self.base + entry, entry)
+            ident = got[1] if got is not None and got[0] == ino else read[entry]
             if ident is UNREAD:
                 continue  # counted as before (not a GPU this scan), not kept: read again next scan
             fresh[entry] = (ino, ident)
@@ -104,6 +107,9 @@ class PciScanner:
             gpus.append(PciGpu(ident[0], entry, ident[1], driver))
         self._known, self.key = fresh, tuple(key)
         return gpus
+
+    def _identities(self, entries: list[str]) -> dict[str, tuple[PciAddress, int] | str | None]:
+        return {e: _identity(self.base + e, e) for e in entries}
 
 
 def list_pci_gpus(sysfs_root: str = "/sys") -> list[PciGpu]:
@@ -131,9 +137,9 @@ class PciProbe:
 
     check = Check.PCI
 
-    def __init__(self, sysfs_root: str = "/sys") -> None:
+    def __init__(self, sysfs_root: str = "/sys", reader: SysfsReader = READER) -> None:
         self.sysfs_root = sysfs_root
-        self.scanner = PciScanner(sysfs_root)
+        self.scanner = PciScanner(sysfs_root, reader)
 
     def read(self, context: ProbeContext) -> ProbeResult:
         r = probe_pci(self.sysfs_root, self.scanner)

@@ -24,6 +24,7 @@ from typing import Any
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, Severity
 from agent.probes.base import ProbeContext
 from agent.probes.pci import PciScanKey
+from agent.probes.sysfs import READER, SysfsReader, read_bytes
 from agent.settings import Setting, in_range, to_bool, to_int
 
 _BDF = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
@@ -85,17 +86,14 @@ def speed_label(gts: float | None) -> str:
 
 
 def _read_attr(path: str) -> str | None:
-    """A sysfs attribute (at most 64 bytes) with plain `os` calls; None when it does not exist."""
+    """A sysfs attribute (probes/sysfs.py: at most 64 bytes, under the probe's deadline); None when it does not
+    exist. A read that does not answer raises Blocked, an OSError: that link is "could not check"."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return read_bytes(path).decode("utf-8", "replace").strip()
     except OSError as e:
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
             return None
         raise
-    try:
-        return os.read(fd, 64).decode("utf-8", "replace").strip()
-    finally:
-        os.close(fd)
 
 
 class LinkCache:
@@ -349,8 +347,9 @@ class PcieProbe:
 
     check = Check.PCIE
 
-    def __init__(self, sysfs_root: str, thresholds: PcieThresholds) -> None:
+    def __init__(self, sysfs_root: str, thresholds: PcieThresholds, reader: SysfsReader = READER) -> None:
         self.sysfs_root, self.thresholds = sysfs_root, thresholds
+        self.reader = reader
         self.cache = LinkCache()
 
     def read(self, context: ProbeContext) -> ProbeResult:
@@ -363,7 +362,13 @@ class PcieProbe:
         snap = context.payload(Check.NVML, NvmlSnapshot)
         load = {g.address: g.load for g in (snap.gpus if snap else ()) if g.address is not None and g.load is not None}
         self.cache.refresh(scan.key if scan is not None else None)
-        return ProbeResult.of(Check.PCIE, pcie_findings(self.sysfs_root, on_pci, self.thresholds, load, self.cache))
+        try:
+            findings = self.reader.run(
+                pcie_findings, self.sysfs_root, on_pci, self.thresholds, load, self.cache, what="reading the PCIe links"
+            )
+        except OSError as e:  # Blocked: a link file did not answer within the deadline (a later read of it: per GPU)
+            return ProbeResult.of(Check.PCIE, (Finding.unchecked(Check.PCIE, f"PCIe links: {e}", kind="unreadable"),))
+        return ProbeResult.of(Check.PCIE, findings)
 
 
 SETTINGS = (
