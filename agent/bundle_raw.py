@@ -81,6 +81,72 @@ def parse_smi_q_sections(text: str) -> tuple[dict[str, str], list[tuple[str, dic
     return top, gpus
 
 
+XML_KEYS = {
+    "product_name": "Product Name",
+    "uuid": "GPU UUID",
+    "gpu_recovery_action": "GPU Recovery Action",
+    "mig_mode/current_mig": "MIG Mode/Current",
+    "mig_mode/pending_mig": "MIG Mode/Pending",
+    "remapped_rows/remapped_row_corr": "Remapped Rows/Correctable Error",
+    "remapped_rows/remapped_row_unc": "Remapped Rows/Uncorrectable Error",
+    "remapped_rows/remapped_row_pending": "Remapped Rows/Pending",
+    "remapped_rows/remapped_row_failure": "Remapped Rows/Remapping Failure Occurred",
+    "utilization/gpu_util": "Utilization/Gpu",
+    "utilization/memory_util": "Utilization/Memory",
+    "pci/pci_gpu_link_info/pcie_gen/max_link_gen": "GPU Link Info/PCIe Generation/Max",
+    "pci/pci_gpu_link_info/pcie_gen/current_link_gen": "GPU Link Info/PCIe Generation/Current",
+    "pci/pci_gpu_link_info/link_widths/max_link_width": "GPU Link Info/Link Width/Max",
+    "pci/pci_gpu_link_info/link_widths/current_link_width": "GPU Link Info/Link Width/Current",
+    "fabric/state": "Fabric/State",
+    "fabric/status": "Fabric/Status",
+    "fabric/cliqueId": "Fabric/CliqueId",
+    "fabric/clusterUuid": "Fabric/ClusterUUID",
+}
+XML_HEALTH = {
+    "bandwidth": "Bandwidth",
+    "route_recovery_in_progress": "Route Recovery in progress",
+    "route_unhealthy": "Route Unhealthy",
+    "access_timeout_recovery": "Access Timeout Recovery",
+    "incorrect_configuration": MISCONFIGURATION_FIELD,
+    "summary": "Summary",
+}
+MAX_XML = 8 << 20
+
+
+def parse_smi_q_xml(text: str) -> tuple[dict[str, str], list[tuple[str, dict[str, str]]], dict[str, int]]:
+    """`nvidia-smi -q -x` as parse_smi_q_sections gives the text (the same keys), and each GPU's MIG devices. A
+    document with entity declarations is refused (nothing is expanded); a broken one gives what was read: nothing."""
+    import xml.etree.ElementTree as ET
+
+    if len(text) > MAX_XML or "<!ENTITY" in text:
+        return {}, [], {}
+    body = re.sub(r"<!DOCTYPE[^>\[]{0,300}>", "", text, count=1)
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError:
+        return {}, [], {}
+    top = {"Driver Version": (root.findtext("driver_version") or "").strip()}
+    gpus: list[tuple[str, dict[str, str]]] = []
+    migs: dict[str, int] = {}
+    for g in root.findall("gpu")[:MAX_GPUS]:
+        bus = g.get("id", "")
+        keys = {}
+        for path, key in XML_KEYS.items():
+            v = g.findtext(path)
+            if v is not None and v.strip():
+                keys[key] = v.strip()
+        health = g.find("fabric/health")
+        for child in list(health) if health is not None else []:
+            name = XML_HEALTH.get(child.tag)
+            if name and child.text:
+                keys[f"Fabric/Health/{name}"] = child.text.strip()
+        if keys.get("Remapped Rows/Pending") is None and (g.findtext("remapped_rows") or "").strip() == "N/A":
+            keys["Remapped Rows/Pending"] = keys["Remapped Rows/Remapping Failure Occurred"] = "N/A"
+        migs[bus] = len(g.findall("mig_devices/mig_device"))
+        gpus.append((bus, keys))
+    return top, gpus, migs
+
+
 def parse_nvlink_status(text: str) -> dict[int, list[int] | None]:
     """`nvidia-smi nvlink -s`: per GPU index, each link's state (1 up, 0 inactive), or None for "all links are
     inactive"."""
@@ -193,9 +259,12 @@ def nvlink_names(text: str) -> dict[int, str]:
     return out
 
 
-def gpus_without_q(table_text: str | None, lspci_text: str | None) -> list[tuple[str, dict[str, str]]]:
+def gpus_without_q(
+    table_text: str | None, lspci_text: str | None, nvlink_text: str | None = None
+) -> list[tuple[str, dict[str, str]]]:
     """The GPUs in NVML's index order where no `nvidia-smi -q` was published: the table's (by index), else lspci's
-    NVIDIA display functions in PCI bus order (the order NVML enumerates them)."""
+    NVIDIA display functions in PCI bus order (the order NVML enumerates them), else the GPUs `nvlink -s` lists, in
+    its order, with no bus id (not shown there: NVML's PCI reading stays not captured)."""
     if table_text is not None:
         table = parse_smi_table(table_text)
         if table.gpus:
@@ -203,7 +272,13 @@ def gpus_without_q(table_text: str | None, lspci_text: str | None) -> list[tuple
     if lspci_text is not None:
         fns = pci_from_lspci(lspci_text)
         addrs = [PciAddress.parse(n) for n, f in fns.items() if f["vendor"] == 0x10DE and f["class"] >> 16 == 0x03]
-        return [(a.nvml, {}) for a in sorted(a for a in addrs if a is not None)]
+        if addrs:
+            return [(a.nvml, {}) for a in sorted(a for a in addrs if a is not None)]
+    if nvlink_text is not None:
+        return [
+            ("", {"Product Name": name, "nvlink index": str(i)})
+            for i, name in sorted(nvlink_names(nvlink_text).items())
+        ]
     return []
 
 
@@ -213,18 +288,31 @@ def nvml_from_raw(
     table_text: str | None = None,
     lspci_text: str | None = None,
     dmesg_text: str | None = None,
+    xml_text: str | None = None,
 ) -> dict[str, Any] | None:
-    """An NVML record from the raw views: `nvidia-smi -q` (nvml_from_smi_q); without it, the NVLink states of
-    `nvlink -s` on the GPUs of the table or lspci. None when neither -q nor nvlink -s is there (NVML's readings
-    would then say nothing the other probes do not)."""
+    """An NVML record from the raw views: `nvidia-smi -q` (nvml_from_smi_q), else `nvidia-smi -q -x`; without
+    either, the NVLink states of `nvlink -s` on the GPUs of the table, lspci or `nvlink -s` itself. None when none of
+    them names a GPU (NVML's readings would then say nothing the other probes do not)."""
     if q_text is not None:
-        return nvml_from_smi_q(q_text, nvlink_text, table_text, driver=driver_version(table_text, dmesg_text))
+        record = nvml_from_smi_q(q_text, nvlink_text, table_text, driver=driver_version(table_text, dmesg_text))
+        if record["gpus"]:
+            return record
+    if xml_text is not None:
+        top, gpus, migs = parse_smi_q_xml(xml_text)
+        if gpus:
+            record = nvml_from_smi_q(
+                "", nvlink_text, table_text, gpus=gpus, driver=top.get("Driver Version") or None, mig_devices=migs
+            )
+            record["derived"] = "nvidia-smi -q -x"
+            return record
     if nvlink_text is None:
         return None
-    gpus = gpus_without_q(table_text, lspci_text)
+    gpus = gpus_without_q(table_text, lspci_text, nvlink_text)
     if not gpus:
         return None
-    return nvml_from_smi_q("", nvlink_text, table_text, gpus=gpus, driver=driver_version(table_text, dmesg_text))
+    record = nvml_from_smi_q("", nvlink_text, table_text, gpus=gpus, driver=driver_version(table_text, dmesg_text))
+    record["derived"] = "nvlink -s"
+    return record
 
 
 def nvml_from_smi_q(
@@ -233,6 +321,7 @@ def nvml_from_smi_q(
     table_text: str | None = None,
     gpus: list[tuple[str, dict[str, str]]] | None = None,
     driver: str | None = None,
+    mig_devices: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """An NVML record (agent/bundle_nvml.py) of what `nvidia-smi -q` (and `nvlink -s`, and the table's MIG devices)
     show; each GPU in the order -q lists them, which is NVML's index order (`gpus`: that list from elsewhere)."""
@@ -243,9 +332,12 @@ def nvml_from_smi_q(
     for i, (_, keys) in enumerate(gpus):
         if "Product Name" not in keys and i in names:
             keys["Product Name"] = names[i]
-    mig_devices: dict[PciAddress, int] = {}
+    migs: dict[PciAddress, int] = {}
+    for bus, n in (mig_devices or {}).items():
+        if (a := PciAddress.parse(bus)) is not None:
+            migs[a] = n
     if table_text is not None:
-        mig_devices = {g.address: g.mig_devices for g in parse_smi_table(table_text).gpus}
+        migs.update({g.address: g.mig_devices for g in parse_smi_table(table_text).gpus})
     system = [_call("nvmlInit", [], value=None)]
     # The probe reads the driver version with the GPU count: where no text names it, an empty answer (says nothing).
     version = top.get("Driver Version") or driver or ""
@@ -259,7 +351,8 @@ def nvml_from_smi_q(
         def add(name: str, *args: Any, h: str = h, calls: list[dict[str, Any]] = calls, **outcome: Any) -> None:
             calls.append(_call(name, [{"_handle": h}, *args], **outcome))
 
-        add("nvmlDeviceGetPciInfo", value={"_struct": {"busId": bus}})
+        if bus:
+            add("nvmlDeviceGetPciInfo", value={"_struct": {"busId": bus}})
         if "Product Name" in keys:
             add("nvmlDeviceGetName", value=keys["Product Name"])
         if keys.get("GPU UUID", "N/A") != "N/A":
@@ -290,13 +383,14 @@ def nvml_from_smi_q(
             else:
                 add("nvmlDeviceGetMigMode", error=NOT_SUPPORTED)
             addr = PciAddress.parse(bus)
-            if mig == "Enabled" and addr is not None and addr in mig_devices:
-                n = mig_devices[addr]
+            if mig == "Enabled" and addr is not None and addr in migs:
+                n = migs[addr]
                 add("nvmlDeviceGetMaxMigDeviceCount", value=n)
                 for k in range(n):
                     add("nvmlDeviceGetMigDeviceHandleByIndex", k)
-        if i in links:
-            states = links[i]
+        at = int(keys.get("nvlink index", i))  # nvlink -s's own index where the GPU list came from it
+        if at in links:
+            states = links[at]
             if states is None:  # "all links are inactive": each link answers disabled, as the library does
                 states = [DISABLED] * MAX_LINKS
             for k, st in enumerate(states[:MAX_LINKS]):

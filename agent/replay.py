@@ -39,12 +39,15 @@ from agent.bundle_raw import (
     pci_from_lspci,
     sys_from_pci,
 )
+from agent.checks import REGISTRY
 from agent.model import Check
 from agent.probes.nvidia_smi import NvidiaSmiRunner
 from agent.probes.nvml import NvmlProbe
 from agent.proc import Run, SupervisedRunner
 
 RUNS_FORMAT = "gpu-ready-runs/1"
+# Checks that read no source of their own (the Node's plugin counts, the MIG layout judged from the GPU sources).
+DERIVED = frozenset({Check.DEVICE_PLUGIN, Check.MIG_LAYOUT})
 # A program's runs from raw files, by (program, arguments), when runs.json does not hold them.
 RAW_RUNS = {("nvidia-smi", ()): "nvidia-smi.txt", ("nvidia-smi", ("-q",)): "nvidia-smi-q.txt"}
 # Settings that point at the node's own files and programs: a replay points them at the bundle.
@@ -119,13 +122,13 @@ def nvml_record(b: Bundle) -> tuple[dict[str, Any] | None, str]:
     data = b.json("nvml.json")
     if data is not None:
         return data, "nvml.json"
-    q = b.text("nvidia-smi-q.txt")
+    q, x = b.text("nvidia-smi-q.txt"), b.text("nvidia-smi-q.xml")
     record = nvml_from_raw(
-        q, b.text("nvlink-s.txt"), b.text("nvidia-smi.txt"), b.text("lspci.txt"), b.text("dmesg.txt")
+        q, b.text("nvlink-s.txt"), b.text("nvidia-smi.txt"), b.text("lspci.txt"), b.text("dmesg.txt"), x
     )
     if record is None:
         return None, ""
-    return record, "nvidia-smi -q" if q is not None else "nvlink -s"
+    return record, str(record.get("derived", "nvlink -s"))
 
 
 @dataclass
@@ -352,8 +355,9 @@ def _open(args: argparse.Namespace, b: Bundle, root: str) -> Replay:
         skipped[Check.INFINIBAND] = "no sys/class/infiniband, ibstat.txt, ibv_devinfo.txt or listing"
     if Check.NVML in skipped:
         skipped[Check.CLOCKS] = "no NVML readings"
-    if ("-q",) not in smi and record_from != "nvml.json" and cfg.fabric != "off":
-        skipped[Check.FABRIC] = "no nvml.json or nvidia-smi -q (the Fabric block)"
+    fabric_read = record_from in ("nvml.json", "nvidia-smi -q", "nvidia-smi -q -x") or {(), ("-q",)} <= set(smi)
+    if not fabric_read and cfg.fabric != "off":
+        skipped[Check.FABRIC] = "no nvml.json or nvidia-smi -q naming its GPUs (the Fabric block)"
     if cfg.imex and ("-q",) not in runs.get(os.path.basename(cfg.imex_ctl), {}):
         skipped[Check.IMEX] = "no recorded nvidia-imex-ctl -q"
     if cfg.dcgm_exporter is not None:
@@ -368,6 +372,12 @@ def _open(args: argparse.Namespace, b: Bundle, root: str) -> Replay:
     node = b.json("node.json")
     if node is not None and not isinstance(node, dict):
         raise BundleError("node.json is not an object")
+    # A bundle that feeds no check would read True on nothing: refused, as an unreadable one is.
+    fed = [s.check for s in REGISTRY if s.enabled(cfg) and s.check not in skipped and s.check not in DERIVED]
+    if not fed and node is None:
+        raise BundleError(
+            "nothing in it feeds a check (no nvidia-smi output, NVML reading, sysfs, lspci or kernel log)"
+        )
     return Replay(cfg, b, inputs, nvml, runs, skipped, notes, node)
 
 

@@ -2,8 +2,9 @@
 the counts of healthy and broken nodes per configuration, and the coverage table in docs/corpus.md (model x signal),
 which `make docs` writes and tests/test_corpus.py checks is current.
 
-A node's configuration is bundle.json's `configuration` when it has one, else the GPU model(s) the replay found (the
-names nvidia-smi, NVML or lspci gave), else "model not named"."""
+A node's configuration is bundle.json's `configuration` when it has one, else the one nodes/README.md's node table
+gives it (`| `<node>` | <configuration> | ...`), else the GPU model(s) the replay found (NVML's names, else
+nvidia-smi's), else "model not named"."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from agent.bundle import load
+from agent.bundle import BundleError, load
 from agent.model import Check
 from agent.replay import open_replay
 
@@ -67,6 +68,20 @@ class NodeResult:
         return None
 
 
+def readme_configurations(root: Path = NODES) -> dict[str, str]:
+    """nodes/README.md's node table: node name -> configuration."""
+    try:
+        text = (root / "README.md").read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("`") and cells[0].endswith("`") and cells[1]:
+            out.setdefault(cells[0].strip("`"), cells[1])
+    return out
+
+
 def node_dirs(root: Path = NODES) -> list[Path]:
     if not root.is_dir():
         return []
@@ -77,7 +92,19 @@ def replay_node(path: Path) -> NodeResult:
     """One node replayed as `gpu-ready check --replay <node>` judges it (its settings, no flags)."""
     from agent.cli import judge_once
 
-    r = open_replay(argparse.Namespace(config=None), str(path))
+    try:
+        r = open_replay(argparse.Namespace(config=None), str(path))
+    except BundleError as e:
+        meta = load(str(path)).meta
+        return NodeResult(
+            path.name,
+            str(meta.get("configuration") or readme_configurations(path.parent).get(path.name) or "model not named"),
+            dict(meta.get("expect") or {}),
+            "not replayable",
+            "",
+            str(e),
+            signals_of(path),
+        )
     try:
         v, _, suite, _ = judge_once(r.cfg, r.node, None, None, nvml=r.nvml, attach=r.attach)
     finally:
@@ -87,7 +114,11 @@ def replay_node(path: Path) -> NodeResult:
     snap = suite.results[Check.NVML].payload if Check.NVML in suite.results else None
     names = sorted({g.name for g in getattr(snap, "gpus", None) or () if g.name})
     names = names or sorted({g.name for g in v.gpus if g.name})
-    config = meta.get("configuration") or (", ".join(names) if names else "model not named")
+    config = (
+        meta.get("configuration")
+        or readme_configurations(path.parent).get(path.name)
+        or (", ".join(names) if names else "model not named")
+    )
     return NodeResult(
         path.name,
         str(config),
