@@ -74,7 +74,7 @@ def readme_configurations(root: Path = NODES) -> dict[str, str]:
         text = (root / "README.md").read_text(encoding="utf-8")
     except OSError:
         return {}
-    out = {}
+    out: dict[str, str] = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 2 and cells[0].startswith("`") and cells[0].endswith("`") and cells[1]:

@@ -1,7 +1,7 @@
 """The bundles in tests/fixtures/bundles/: `gpu-ready capture` run on the simulated node (testkit/simhost.py) with
-the NVML stand-in (testkit/fakes.py), committed (as .tar.gz) so that a bundle written by this version keeps loading and replaying
-to the verdict it recorded in later versions (tests/test_capture_replay.py). `python -m testkit.sim_bundles` writes
-them again (the node's temporary paths are taken out of the recorded settings)."""
+the NVML stand-in (testkit/fakes.py), committed (as .tar.gz) so that a bundle written by this version keeps loading
+and replaying to the verdict it recorded in later versions (tests/test_capture_replay.py). `python -m
+testkit.sim_bundles` writes them again (the node's temporary paths are taken out of the recorded settings)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def write(name: str, dest: Path) -> Path:
         meta_path = Path(d) / name / "bundle.json"
         meta = json.loads(meta_path.read_text())
         meta["settings"] = {k: v for k, v in meta["settings"].items() if k not in PATHS}
-        meta["config"] = f"simulated: {SCENARIOS[name].__doc__.split(';')[0].strip()} (testkit/sim_bundles.py)"
+        what = (SCENARIOS[name].__doc__ or name).split(";")[0].strip()
+        meta["config"] = f"simulated: {what} (testkit/sim_bundles.py)"
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
         b = load(str(Path(d) / name))
         out = dest / f"{name}.tar.gz"

@@ -96,7 +96,10 @@ def test_nvlink_status_inactive_and_partial():
 
 def test_nvlink_without_q_on_lspci_gpus_in_bus_order():
     lspci = text("lspci-nn-a100x8-nvswitch-azure-gpud-fixture.txt")
-    nvlink = "GPU 6: NVIDIA A100-SXM4-80GB (UUID: GPU-x)\n\t NVML: Unable to retrieve NVLink information as all links are inactive\n"
+    nvlink = (
+        "GPU 6: NVIDIA A100-SXM4-80GB (UUID: GPU-x)\n"
+        "\t NVML: Unable to retrieve NVLink information as all links are inactive\n"
+    )
     record = nvml_from_raw(None, nvlink, None, lspci)
     _, snap = nvml_snapshot(record)
     assert len(snap.gpus) == 8
