@@ -367,3 +367,30 @@ def test_committed_bundle_still_replays_to_its_recorded_verdict(capsys, path):
         meta["verdict"]["message"],
     )
     assert "not captured" not in err
+
+
+def test_hung_nvml_call_is_recorded_and_replays_as_hung(capsys, simhost, tmp_path, monkeypatch):
+    """A call that never returned at the capture (the probe gave up at its deadline) replays as the same hang."""
+    lib = fake_nvml(_nvml_gpus(simhost), hang="nvmlDeviceGetRemappedRows")
+    monkeypatch.setattr(capture_mod, "_pynvml", lambda: lib)
+    args = [a for a in simhost.check_args() if a not in ("--nvml", "off")]
+    path = tmp_path / "b"
+    capture(capsys, simhost, path, "--nvml-timeout", "0.5", args=args)
+    meta = bundle_mod.load(str(path)).meta
+    assert meta["verdict"]["reason"] == "NvmlHealth" and "NVML hung" in meta["verdict"]["message"]
+    record = json.loads((path / "nvml.json").read_text())
+    assert [c["call"] for g in record["gpus"] for c in g["calls"] if c.get("hung")] == ["nvmlDeviceGetRemappedRows"]
+    _, got, _ = replay(capsys, path)
+    assert (got["status"], got["reason"]) == ("False", "NvmlHealth") and "NVML hung" in got["message"]
+
+
+def test_replay_leaves_no_files_behind(capsys, simhost, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    path = tmp_path / "b.tar.gz"
+    capture(capsys, simhost, path)
+    replay(capsys, path)
+    run_cli(capsys, "check", "--replay", str(tmp_path / "absent"))
+    assert list((tmp_path / "tmp").iterdir()) == []
