@@ -426,6 +426,7 @@ def _capture(args: argparse.Namespace, cfg: config_mod.Config, judge: Callable[.
     smi = SupervisedRunner(cfg.nvidia_smi, cfg.nvidia_smi_timeout, name="nvidia-smi")
     for name, argv in SMI_VIEWS:
         if c.time_left(f"nvidia-smi {' '.join(argv)}"):
+            smi.timeout_s = max(0.1, min(cfg.nvidia_smi_timeout, c.deadline - time.monotonic()))
             r = smi.run(argv)
             if r.exit_code is not None and r.error is None:
                 c.add(name, r.output)
@@ -505,8 +506,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="the bundle: a folder, or a .tar.gz (default gpu-ready-bundle-<time>.tar.gz)")
     p.add_argument("--no-redact", action="store_true", help="keep host names, serials, UUIDs, IP and MAC addresses")
     p.add_argument("--kmsg-records", type=_positive_int, default=KMSG_RECORDS, help="newest kernel-log records kept")
-    p.add_argument("--max-seconds", type=float, default=MAX_SECONDS, help="the whole capture's time bound")
+    p.add_argument("--max-seconds", type=_positive_float, default=MAX_SECONDS, help="the whole capture's time bound")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+
+def _positive_float(v: str) -> float:
+    x = float(v)
+    if not 0 < x <= 86400:
+        raise ValueError(v)
+    return x
 
 
 def _positive_int(v: str) -> int:
