@@ -421,7 +421,7 @@ def _capture(args: argparse.Namespace, cfg: config_mod.Config, judge: Callable[.
         c.sources.append("nvml")
     c.add("runs.json", json.dumps({"format": RUNS_FORMAT, "runs": runs}, indent=1) + "\n")
     table = next((r for r in runs if r["program"] == "nvidia-smi" and r["args"] == []), None)
-    if table is not None:
+    if table is not None and table["exit_code"] is not None:  # it ran (runs.json says why when it did not)
         c.add("nvidia-smi.txt", table["output"])
     smi = SupervisedRunner(cfg.nvidia_smi, cfg.nvidia_smi_timeout, name="nvidia-smi")
     for name, argv in SMI_VIEWS:
