@@ -76,6 +76,8 @@ IB_DEVICE_FILES = ("hca_type", "board_id", "fw_ver", "node_type")
 IB_PORT_FILES = ("state", "phys_state", "rate", "link_layer")
 NET_FILES = ("operstate", "speed", "carrier", "type", "mtu")
 MAX_SYS_ENTRIES = 4096
+FM_LOG = "/var/log/fabricmanager.log"  # the fabric manager's default log, where it runs on this host
+FM_TAIL = 64 << 10
 
 
 class Recorder:
@@ -281,6 +283,25 @@ def capture_sys(c: Capture, sysfs_root: str) -> None:
     c.sources.append("sys")
 
 
+def _tail(path: str, limit: int = FM_TAIL) -> bytes | None:
+    """The last `limit` bytes of a regular file, from its first whole line; None when it is not there."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        start = max(0, st.st_size - limit)
+        data = os.pread(fd, limit, start)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data[data.find(b"\n") + 1 :] if start else data
+
+
 def _listdir(path: str) -> list[str]:
     try:
         return sorted(os.listdir(path))[:MAX_SYS_ENTRIES]
@@ -437,6 +458,9 @@ def _capture(args: argparse.Namespace, cfg: config_mod.Config, judge: Callable[.
         r = imex.run(("-N",))
         if r.exit_code is not None:
             c.add("nvidia-imex-ctl.txt", r.output)
+    fm = _tail(FM_LOG)
+    if fm is not None:
+        c.add("fabricmanager.txt", fm)
     if c.time_left("sysfs"):
         capture_sys(c, cfg.sysfs_root)
     if c.time_left("device nodes"):
