@@ -118,6 +118,7 @@ _MAC = re.compile(r"(?<![\w:])(?:[0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}(?![\w:])")
 _SERIAL_LINE = re.compile(r"^(\s*(?:Serial Number|Board Serial Number|Module Serial Number)\s*:\s*)(\S.*)$", re.M)
 _SERIAL_XML = re.compile(r"(<serial>)([^<]{1,100})(</serial>)")
 ZERO_UUID = "00000000-0000-0000-0000-000000000000"
+COMMON_WORDS = frozenset({"node", "host", "localhost", "nvidia", "kernel", "linux", "server", "worker", "master"})
 
 
 @dataclass
@@ -144,8 +145,8 @@ class Redactor:
 
     def text(self, s: str) -> str:
         for name in self.names:
-            if len(name) >= 3:
-                s = s.replace(name, "node-redacted")
+            if len(name) >= 4 and name.lower() not in COMMON_WORDS:  # a host named like a word the outputs use
+                s = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", "node-redacted", s)
         s = _UUID.sub(self._uuid, s)
         s = _SERIAL_LINE.sub(lambda m: m[1] + "REDACTED", s)
         s = _SERIAL_XML.sub(lambda m: m[1] + "REDACTED" + m[3], s)
@@ -467,7 +468,8 @@ def _capture(args: argparse.Namespace, cfg: config_mod.Config, judge: Callable[.
         capture_dev(c, cfg.dev_root, cfg.proc_root)
     if c.time_left("kernel log"):
         capture_kmsg(c, cfg.kmsg, cfg.kmsg_trust_user, args.kmsg_records)
-    names = tuple(n for n in {socket.gethostname(), cfg.node_name or "", os.environ.get("NODE_NAME", "")} if n)
+    hosts = {socket.gethostname(), socket.getfqdn(), cfg.node_name or "", os.environ.get("NODE_NAME", "")}
+    names = tuple(sorted((n for n in hosts if n), key=len, reverse=True))  # the FQDN before the short name
     redactor = Redactor(names) if not args.no_redact else None
     settings, lost = settings_json(cfg)
     c.skipped += [f"setting {k}: its value does not load back from JSON" for k in lost]
