@@ -183,3 +183,19 @@ def test_recorded_hung_call_is_the_probes_timeout():
     assert snap is None and any(f.kind == "timeout" and "NVML hung" in f.message for f in r.findings)
     assert r.check is Check.NVML
     assert os.sep  # no files were written
+
+
+def test_fabric_health_summary_reaches_the_nvml_path():
+    """A Fabric block's `Summary : Unhealthy` (the block of tests/fixtures/nodes/mnnvl-fabric-health-unhealthy, under
+    a GPU heading) rides NVML's fabric structure and is judged as nvidia-smi's own text is."""
+    from agent.probes.fabric import FabricProbe
+
+    block = (fixture_path("nodes") / "mnnvl-fabric-health-unhealthy" / "nvidia-smi-q.txt").read_text()
+    block = "\n".join(line for line in block.splitlines() if line.strip() not in ("--", "...."))
+    q = "Driver Version                            : 570.124.06\n\nGPU 00000000:01:00.0\n" + block + "\n"
+    r, snap = nvml_snapshot(nvml_from_smi_q(q))
+    ctx = ProbeContext()
+    ctx.results[Check.NVML] = r
+    fab = FabricProbe("auto", None).read(ctx)
+    assert [f.reason.value for f in fab.findings if f.reason] == ["FabricNotReady"]
+    assert "Unhealthy" in fab.findings[0].message
