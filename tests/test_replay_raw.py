@@ -193,7 +193,7 @@ def test_fabric_health_summary_reaches_the_nvml_path():
     block = (fixture_path("nodes") / "mnnvl-fabric-health-unhealthy" / "nvidia-smi-q.txt").read_text()
     block = "\n".join(line for line in block.splitlines() if line.strip() not in ("--", "...."))
     q = "Driver Version                            : 570.124.06\n\nGPU 00000000:01:00.0\n" + block + "\n"
-    r, snap = nvml_snapshot(nvml_from_smi_q(q))
+    r, _ = nvml_snapshot(nvml_from_smi_q(q))
     ctx = ProbeContext()
     ctx.results[Check.NVML] = r
     fab = FabricProbe("auto", None).read(ctx)
