@@ -37,6 +37,7 @@ from agent import bundle as bundle_mod
 from agent import config as config_mod
 from agent.bundle_nvml import RecordingNvml
 from agent.kernel_log.source import KmsgSource, KmsgUnavailable, format_record
+from agent.preflight.spec import QUERY as SPEC_QUERY
 from agent.probes.nvml import NvmlProbe
 from agent.proc import Run, SupervisedRunner
 from agent.replay import RUNS_FORMAT, run_to_json
@@ -48,15 +49,9 @@ KMSG_WORDS = re.compile(r"NVRM|nvidia|NVSwitch|nvswitch|SXid|Xid|mlx5|fallen off
 SMI_VIEWS = (
     ("nvidia-smi-q.txt", ("-q",)),
     ("nvidia-smi-q.xml", ("-q", "-x")),
-    (
-        "nvidia-smi-query-gpu.csv",
-        (
-            "--query-gpu=index,pci.bus_id,name,driver_version,memory.total,mig.mode.current,pcie.link.gen.max,"
-            "pcie.link.gen.current,pcie.link.width.max,pcie.link.width.current,ecc.mode.current,"
-            "clocks_event_reasons.active,fabric.state,fabric.status",
-            "--format=csv",
-        ),
-    ),
+    # the CSV queries the agent runs: preflight's spec gate (with its header line) and recovery's holders of a GPU
+    ("nvidia-smi-query-gpu.csv", (f"--query-gpu={SPEC_QUERY}", "--format=csv")),
+    ("nvidia-smi-query-compute-apps.csv", ("--query-compute-apps=gpu_bus_id,pid", "--format=csv")),
     ("nvlink-s.txt", ("nvlink", "-s")),
     ("topo-m.txt", ("topo", "-m")),
 )
