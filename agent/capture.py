@@ -37,7 +37,6 @@ from agent import bundle as bundle_mod
 from agent import config as config_mod
 from agent.bundle_nvml import RecordingNvml
 from agent.kernel_log.source import KmsgSource, KmsgUnavailable, format_record
-from agent.preflight.spec import QUERY as SPEC_QUERY
 from agent.probes.nvml import NvmlProbe
 from agent.proc import Run, SupervisedRunner
 from agent.replay import RUNS_FORMAT, run_to_json
@@ -46,10 +45,15 @@ KMSG_RECORDS = 2000
 MAX_SECONDS = 300.0
 KMSG_WORDS = re.compile(r"NVRM|nvidia|NVSwitch|nvswitch|SXid|Xid|mlx5|fallen off the bus|pcieport|AER|infiniband|IMEX")
 # The raw views, beside what the probes ran: (file, arguments).
+SPEC_QUERY = (
+    "index,pci.bus_id,name,memory.total,driver_version,mig.mode.current,pcie.link.gen.max,"
+    "pcie.link.width.max,ecc.mode.current"
+)
 SMI_VIEWS = (
     ("nvidia-smi-q.txt", ("-q",)),
     ("nvidia-smi-q.xml", ("-q", "-x")),
-    # the CSV queries the agent runs: preflight's spec gate (with its header line) and recovery's holders of a GPU
+    # the CSV queries the agent runs: preflight's spec gate (agent/preflight/spec.py's QUERY, with its header line;
+    # a test holds the two equal) and recovery's holders of a GPU
     ("nvidia-smi-query-gpu.csv", (f"--query-gpu={SPEC_QUERY}", "--format=csv")),
     ("nvidia-smi-query-compute-apps.csv", ("--query-compute-apps=gpu_bus_id,pid", "--format=csv")),
     ("nvlink-s.txt", ("nvlink", "-s")),

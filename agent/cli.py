@@ -348,10 +348,11 @@ def build_parser(with_preflight: bool = True, argv: list[str] | None = None) -> 
         "UUIDs and addresses redacted. Exit 0, or 2 with one line.",
         epilog=FLAGS_EPILOG,
     )
-    from agent.capture import add_arguments as capture_arguments
+    if wants_command(argv, "capture"):  # its module (tar, the bundle code) is not loaded by `run` or `check`
+        from agent.capture import add_arguments as capture_arguments
 
-    capture_arguments(cap)
-    config_mod.add_flags(cap, "check")
+        capture_arguments(cap)
+        config_mod.add_flags(cap, "check")
     cap.set_defaults(func=lambda a: __import__("agent.capture", fromlist=["cmd_capture"]).cmd_capture(a, judge_once))
     g = sub.add_parser(
         "gpus",

@@ -394,3 +394,9 @@ def test_replay_leaves_no_files_behind(capsys, simhost, tmp_path, monkeypatch):
     replay(capsys, path)
     run_cli(capsys, "check", "--replay", str(tmp_path / "absent"))
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_capture_runs_the_spec_gates_query():
+    from agent.preflight.spec import QUERY
+
+    assert capture_mod.SPEC_QUERY == QUERY
