@@ -400,3 +400,104 @@ def test_capture_runs_the_spec_gates_query():
     from agent.preflight.spec import QUERY
 
     assert capture_mod.SPEC_QUERY == QUERY
+
+
+def _ctypes_nvml(buses):
+    """An NVML stand-in that answers with the library's own ctypes types, as libnvidia-ml does through nvidia-ml-py:
+    device handles are `c_nvmlDevice_t` pointers, the PCI info, field values and utilisation are the library's
+    structures, the fabric structure is filled by reference. GPU 1's recovery action is "GPU reset" and its fabric
+    bandwidth degraded."""
+    import ctypes
+    import types
+
+    import pynvml
+
+    devices = [pynvml.struct_c_nvmlDevice_t() for _ in buses]
+    index = {ctypes.addressof(d): i for i, d in enumerate(devices)}
+
+    def at(h):
+        return index[ctypes.addressof(h.contents)]
+
+    def not_supported(*a):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    def pci(h):
+        info = pynvml.nvmlPciInfo_t()
+        info.busId = buses[at(h)].encode()
+        return info
+
+    def fields(h, ids):
+        vals = (pynvml.c_nvmlFieldValue_t * len(ids))()
+        vals[0].fieldId, vals[0].nvmlReturn, vals[0].value.uiVal = ids[0], 0, 1 if at(h) == 1 else 0
+        return vals
+
+    def link(h, n):
+        if n >= 18:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return pynvml.NVML_FEATURE_ENABLED
+
+    def fabric(h, ref):
+        info = ref._obj
+        info.state, info.status, info.cliqueId = 3, 0, 7
+        info.healthMask = 1 if at(h) == 1 else 2  # bandwidth degraded / full
+        return 0
+
+    lib = types.SimpleNamespace(
+        NVMLError=pynvml.NVMLError,
+        byref=ctypes.byref,
+        c_nvmlGpuFabricInfoV_t=pynvml.c_nvmlGpuFabricInfoV_t,
+        NVML_FEATURE_ENABLED=pynvml.NVML_FEATURE_ENABLED,
+        NVML_NVLINK_MAX_LINKS=pynvml.NVML_NVLINK_MAX_LINKS,
+        NVML_ERROR_NOT_SUPPORTED=pynvml.NVML_ERROR_NOT_SUPPORTED,
+        NVML_DEVICE_MIG_ENABLE=pynvml.NVML_DEVICE_MIG_ENABLE,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlSystemGetDriverVersion=lambda: "550.90.07",
+        nvmlDeviceGetCount=lambda: len(buses),
+        nvmlDeviceGetHandleByIndex=lambda i: ctypes.pointer(devices[i]),
+        nvmlDeviceGetPciInfo=pci,
+        nvmlDeviceGetName=lambda h: "NVIDIA H100 80GB HBM3",
+        nvmlDeviceGetFieldValues=fields,
+        nvmlDeviceGetRemappedRows=lambda h: (0, 0, 0, 0),
+        nvmlDeviceGetMigMode=lambda h: [0, 0],
+        nvmlDeviceGetNvLinkState=link,
+        nvmlDeviceGetNvLinkRemoteDeviceType=not_supported,
+        nvmlDeviceGetUtilizationRates=lambda h: pynvml.c_nvmlUtilization_t(gpu=3, memory=1),
+        nvmlDeviceGetGpuFabricInfoV=fabric,
+        nvmlDeviceGetCurrPcieLinkGeneration=not_supported,
+        nvmlDeviceGetMaxPcieLinkGeneration=not_supported,
+        nvmlDeviceGetCurrPcieLinkWidth=not_supported,
+        nvmlDeviceGetMaxPcieLinkWidth=not_supported,
+        nvmlDeviceGetCurrentClocksEventReasons=not_supported,
+        nvmlDeviceGetMarginTemperature=not_supported,
+        nvmlDeviceGetUUID=not_supported,
+    )
+    return lib
+
+
+def test_library_ctypes_answers_record_and_replay(capsys, tmp_path, monkeypatch):
+    """The recording backend on the library's real ctypes types (pointer handles, structures, unions, a structure
+    filled by reference) writes a record the replay answers the same way."""
+    from testkit.simhost import SimHost
+
+    host = SimHost(tmp_path / "host", gpus=2)
+    lib = _ctypes_nvml([g.address.nvml for g in host.gpus])
+    monkeypatch.setattr(capture_mod, "_pynvml", lambda: lib)
+    args = [a for a in host.check_args() if a not in ("--nvml", "off")]
+    path = tmp_path / "b"
+    capture(capsys, host, path, args=args)
+    meta = bundle_mod.load(str(path)).meta
+    assert meta["verdict"]["reason"] == "NvmlHealth"
+    assert "GPU recovery action: GPU reset" in meta["verdict"]["message"]
+    assert "Bandwidth: Degraded" in meta["verdict"]["message"]
+    record = json.loads((path / "nvml.json").read_text())
+    calls = {c["call"]: c for c in record["gpus"][1]["calls"]}
+    assert calls["nvmlDeviceGetPciInfo"]["value"]["_struct"]["busId"] == host.gpus[1].address.nvml
+    assert calls["nvmlDeviceGetGpuFabricInfoV"]["out"]["_struct"]["healthMask"] == 1
+    _, got, err = replay(capsys, path)
+    assert (got["status"], got["reason"], got["message"]) == (
+        meta["verdict"]["status"],
+        meta["verdict"]["reason"],
+        meta["verdict"]["message"],
+    )
+    assert "NVML readings not captured" not in err
