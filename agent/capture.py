@@ -407,12 +407,13 @@ def _forms(v: Any) -> list[Any]:
     return forms
 
 
-def cmd_capture(args: argparse.Namespace, judge: Callable[..., Any]) -> int:
-    """`judge(cfg, nvml=..., attach=...)`: the check's one cycle (agent/cli.judge_once). A capture is what a user
-    runs when something already looks wrong: whatever fails in it is one line and exit 2, never a traceback."""
+def cmd_capture(args: argparse.Namespace, judge: Callable[..., Any], read_node: Callable[[str], dict[str, Any]]) -> int:
+    """`judge(cfg, node, nvml=..., attach=...)`: the check's one cycle (agent/cli.judge_once); `read_node`: a saved
+    Node (`--node-json`, agent/cli.read_node_json). A capture is what a user runs when something already looks wrong:
+    whatever fails in it is one line and exit 2, never a traceback."""
     cfg = config_mod.load(args)
     try:
-        return _capture(args, cfg, judge)
+        return _capture(args, cfg, judge, read_node)
     except (OSError, ValueError, RuntimeError) as e:
         print(
             f"gpu-ready: capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
@@ -421,7 +422,12 @@ def cmd_capture(args: argparse.Namespace, judge: Callable[..., Any]) -> int:
         return 2
 
 
-def _capture(args: argparse.Namespace, cfg: config_mod.Config, judge: Callable[..., Any]) -> int:
+def _capture(
+    args: argparse.Namespace,
+    cfg: config_mod.Config,
+    judge: Callable[..., Any],
+    read_node: Callable[[str], dict[str, Any]],
+) -> int:
     out = args.output or f"gpu-ready-bundle-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.tar.gz"
     if os.path.lexists(out):
         print(f"gpu-ready: capture: {out} exists; not overwriting it", file=sys.stderr)
@@ -431,12 +437,22 @@ def _capture(args: argparse.Namespace, cfg: config_mod.Config, judge: Callable[.
         if not args.quiet:
             print(f"gpu-ready capture: {what}", file=sys.stderr, flush=True)
 
+    node: dict[str, Any] | None = None
+    if args.node_json:
+        try:
+            node = read_node(args.node_json)
+        except ValueError as e:
+            print(f"gpu-ready: capture: cannot read --node-json {args.node_json}: {e}", file=sys.stderr)
+            return 2
     c = Capture(deadline=time.monotonic() + args.max_seconds, progress=progress)
     runs: list[dict[str, Any]] = []
     recorder = RecordingNvml(_pynvml()) if cfg.nvml != "off" else None
     nvml = NvmlProbe(cfg.nvml, cfg.nvml_timeout, cfg.nvml_nvlink, nvml=recorder) if recorder is not None else None
     progress("judging the node once, every reading recorded")
-    verdict = judge(cfg, nvml=nvml, attach=lambda suite: attach_recorders(suite, runs))[0]
+    verdict = judge(cfg, node, nvml=nvml, attach=lambda suite: attach_recorders(suite, runs))[0]
+    if node is not None:
+        c.add("node.json", json.dumps(node, indent=1) + "\n")
+        c.sources.append("node")
     if recorder is not None:
         c.add("nvml.json", json.dumps(recorder.to_json(), indent=1) + "\n")
         c.sources.append("nvml")
@@ -530,6 +546,9 @@ def _pynvml() -> Any:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="the bundle: a folder, or a .tar.gz (default gpu-ready-bundle-<time>.tar.gz)")
     p.add_argument("--no-redact", action="store_true", help="keep host names, serials, UUIDs, IP and MAC addresses")
+    p.add_argument(
+        "--node-json", help="a saved `kubectl get node -o json`: judged with it (the device plugin's counts), kept"
+    )
     p.add_argument("--kmsg-records", type=_positive_int, default=KMSG_RECORDS, help="newest kernel-log records kept")
     p.add_argument("--max-seconds", type=_positive_float, default=MAX_SECONDS, help="the whole capture's time bound")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")

@@ -342,7 +342,7 @@ def build_parser(with_preflight: bool = True, argv: list[str] | None = None) -> 
     cap = sub.add_parser(
         "capture",
         help="write a bundle of everything the checks read on this node (for `check --replay`)",
-        usage="%(prog)s [-o BUNDLE] [--no-redact] [--config CONFIG] [settings]",
+        usage="%(prog)s [-o BUNDLE] [--no-redact] [--node-json NODE_JSON] [--config CONFIG] [settings]",
         description="Judge the node once, recording every reading, and write one bundle (a folder or .tar.gz) of it "
         "with the raw nvidia-smi views, the sysfs subset, the device nodes and the kernel log; host names, serials, "
         "UUIDs and addresses redacted. Exit 0, or 2 with one line.",
@@ -353,7 +353,9 @@ def build_parser(with_preflight: bool = True, argv: list[str] | None = None) -> 
 
         capture_arguments(cap)
         config_mod.add_flags(cap, "check")
-    cap.set_defaults(func=lambda a: __import__("agent.capture", fromlist=["cmd_capture"]).cmd_capture(a, judge_once))
+    cap.set_defaults(
+        func=lambda a: __import__("agent.capture", fromlist=["cmd_capture"]).cmd_capture(a, judge_once, read_node_json)
+    )
     g = sub.add_parser(
         "gpus",
         help="which pods hold which GPU (kubelet pod-resources): a table of every GPU and a summary line",

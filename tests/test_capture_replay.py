@@ -501,3 +501,27 @@ def test_library_ctypes_answers_record_and_replay(capsys, tmp_path, monkeypatch)
         meta["verdict"]["message"],
     )
     assert "NVML readings not captured" not in err
+
+
+def test_capture_with_a_saved_node_replays_the_device_plugin_check(capsys, simhost, tmp_path):
+    node = {
+        "kind": "Node",
+        "metadata": {"name": "gpu-node-7", "labels": {}, "annotations": {}},
+        "status": {
+            "capacity": {"nvidia.com/gpu": "7"},
+            "allocatable": {"nvidia.com/gpu": "7"},
+            "addresses": [{"type": "InternalIP", "address": "10.1.2.3"}],
+        },
+    }
+    nj = tmp_path / "node.json"
+    nj.write_text(json.dumps(node))
+    rc_live, want = live(capsys, simhost, "--node-json", str(nj))
+    assert want["reason"] == "GPUCountMismatch" and "device plugin serves 7" in want["message"]
+    path = tmp_path / "b"
+    capture(capsys, simhost, path, "--node-json", str(nj))
+    kept = json.loads((path / "node.json").read_text())
+    assert kept["status"]["addresses"][0]["address"] != "10.1.2.3"  # redacted
+    rc, got, _ = replay(capsys, path)
+    assert rc == rc_live and same(got, want)
+    rc, _, err = run_cli(capsys, "capture", "-o", str(tmp_path / "c"), "--node-json", str(tmp_path / "none"))
+    assert rc == 2 and err.count("\n") == 1 and "--node-json" in err
