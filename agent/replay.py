@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import stat
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -62,11 +61,9 @@ class RecordedRunner(NvidiaSmiRunner):
         super().__init__(program, timeout_s)
         self.name = program
         self.runs = dict(runs)
-        self.asked: list[tuple[str, ...]] = []
 
     def run(self, args: Sequence[str] = ()) -> Run:
         key = tuple(args)
-        self.asked.append(key)
         got = self.runs.get(key)
         if got is None:
             return Run(None, "", 0.0, error=f"{self.name} {' '.join(key)}: not captured in the bundle".rstrip())
@@ -136,7 +133,6 @@ class Inputs:
     """What a bundle gives the probes, written under `root`, and the checks it cannot feed."""
 
     root: str
-    sys_captured: bool = False
     pci: bool = False
     infiniband: bool = False
     dev: bool = False
@@ -151,7 +147,7 @@ def write_inputs(b: Bundle, root: str) -> Inputs:
     captured = b.meta.get("captured") if isinstance(b.meta.get("captured"), dict) else None
     if b.has_tree("sys"):
         materialize(b, "sys", root)
-        got.sys_captured = got.pci = True
+        got.pci = True
         # A captured node with no InfiniBand device has none: the capture looked (bundle.json says so).
         got.infiniband = b.has_tree("sys/class/infiniband") or bool(captured and "sys" in captured.get("sources", []))
     else:
@@ -205,8 +201,9 @@ def _write(root: str, name: str, data: bytes) -> None:
 
 
 def make_dev(listing: Any, dev: str) -> None:
-    """dev.json's NVIDIA device nodes under `dev`: a character device where the process may make one, else a
-    symbolic link to /dev/null (a real character device), so the device-node probe's checks run unchanged."""
+    """dev.json's NVIDIA device nodes under `dev`. A character device is a symbolic link to /dev/null, a real
+    character device (the probe asks only "is it a character device", following links as it must for a driver
+    container's dev root), so a bundle never makes a device node of its choosing on the replaying machine."""
     if not isinstance(listing, dict) or not isinstance(listing.get("nodes"), list):
         raise BundleError('dev.json: expected {"nodes": [...]}')
     for n in listing["nodes"][:4096]:
@@ -219,12 +216,10 @@ def make_dev(listing: Any, dev: str) -> None:
         path = os.path.join(dev, *parts)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         kind = n.get("type")
+        if os.path.lexists(path):
+            continue
         if kind == "char":
-            major, minor = int(n.get("major", 0)), int(n.get("minor", 0))
-            try:
-                os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(major, minor))
-            except (PermissionError, OSError):
-                os.symlink("/dev/null", path)
+            os.symlink("/dev/null", path)
         elif kind == "dir":
             os.makedirs(path, exist_ok=True)
         else:  # a regular file or anything else where a device node should be: the probe reports it

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import tarfile
 
 import pytest
@@ -47,11 +48,16 @@ def replay(capsys, path, *extra):
 
 
 def same(a, b):
-    return {k: a[k] for k in KEYS} == {k: b[k] for k in KEYS}
+    """The same verdict; a path in a message names the node's folder live and the replay's folder in a replay."""
+
+    def norm(v):
+        return json.loads(re.sub(r"/[^ \"']*/(dev|sys|proc)/", r"<\1>/", json.dumps({k: v[k] for k in KEYS})))
+
+    return norm(a) == norm(b)
 
 
 @pytest.mark.parametrize("form", ["dir", "tar.gz"])
-@pytest.mark.parametrize("state", ["healthy", "err", "xid79", "missing"])
+@pytest.mark.parametrize("state", ["healthy", "err", "xid79", "missing", "devnode"])
 def test_sim_bundle_replays_to_the_live_verdict(capsys, simhost, tmp_path, state, form):
     if state == "err":
         simhost.set_smi(err={1: ("Fan", "Temp")})
@@ -59,6 +65,9 @@ def test_sim_bundle_replays_to_the_live_verdict(capsys, simhost, tmp_path, state
         simhost.append_xid(79, gpu=5)
     elif state == "missing":
         simhost.set_smi(hidden=(3,))
+    elif state == "devnode":
+        simhost.make_dev_nodes(mig=True, skip=("nvidia-uvm",))
+        simhost.replace_dev_node_with_file("nvidia3")
     rc_live, want = live(capsys, simhost)
     path = tmp_path / ("bundle" if form == "dir" else "bundle.tar.gz")
     capture(capsys, simhost, path)
@@ -66,7 +75,13 @@ def test_sim_bundle_replays_to_the_live_verdict(capsys, simhost, tmp_path, state
     assert (rc, got["status"], got["reason"]) == (rc_live, want["status"], want["reason"])
     assert same(got, want), (got["message"], want["message"])
     assert "not captured" not in err  # a capture holds every source these settings read
-    expect = {"healthy": "GPUsHealthy", "err": "NvidiaSmiErr", "xid79": "FatalXid", "missing": "GPUCountMismatch"}
+    expect = {
+        "healthy": "GPUsHealthy",
+        "err": "NvidiaSmiErr",
+        "xid79": "FatalXid",
+        "missing": "GPUCountMismatch",
+        "devnode": "GPUDegraded",
+    }
     assert want["reason"] == expect[state]
     meta = bundle_mod.load(str(path)).meta
     assert meta["verdict"]["status"] == want["status"] and meta["captured"]["redacted"] is True
