@@ -26,7 +26,7 @@ from agent.probes.dcgm import DcgmProbe, DcgmThresholds
 from agent.probes.device_nodes import DeviceNodesProbe, DeviceNodeThresholds
 from agent.probes.dra import DraInventory, GpuServingProbe
 from agent.probes.fabric import FabricProbe
-from agent.probes.fabric_manager import FabricManagerProbe
+from agent.probes.fabric_manager import FabricManagerProbe, NvswitchScanner
 from agent.probes.imex import ImexProbe
 from agent.probes.infiniband import FlapThresholds, IbThresholds, InfinibandProbe
 from agent.probes.mig_config import MigConfigProbe
@@ -43,6 +43,8 @@ def nvml_reads(cfg: Config, probe: NvmlProbe) -> NvmlProbe:
     probe.read_uuids = cfg.dcgm_exporter is not None or cfg.pod_resources
     probe.read_fabric = cfg.fabric in ("auto", "nvml")
     probe.expected_nvlinks, probe.nvlink_profiles = cfg.expected_nvlinks, cfg.nvlink_profiles or ()
+    if probe.nvswitches is None:  # on an NVSwitch system every NVLink of every GPU is wired (docs/fabric.md)
+        probe.nvswitches = NvswitchScanner(cfg.sysfs_root).scan
     return probe
 
 

@@ -19,6 +19,7 @@ from agent.settings import ConfigError
 from agent.state import LatchState
 from testkit.fakes import fake_nvml
 from testkit.fixture_files import fixture_path
+from testkit.simhost import SimHost
 
 A100_PCIE = "dcgmi-health-nvlink-down-a100-pcie-no-bridge-nvsentinel-1481.txt"
 H100_NCV5 = "nhc-nvlink-inactive-h100-pcie-ncv5-azurehpc-hc-162.txt"
@@ -81,10 +82,14 @@ def test_a_link_is_down_only_when_something_says_it_should_be_up():
 def test_profiles_per_model_and_the_setting_rows():
     profiles = nvlink_profiles("NVIDIA A100-SXM4*=12, *V100-SXM2*=6")
     assert profiles == (("nvidia a100-sxm4*", 12), ("*v100-sxm2*", 6))
-    assert expected_links("NVIDIA A100-SXM4-80GB", None, profiles) == 12
-    assert expected_links("Tesla V100-SXM2-32GB", 4, profiles) == 6
-    assert expected_links("NVIDIA A100 80GB PCIe", 4, profiles) == 4  # no profile: expectedNvlinks
-    assert expected_links("NVIDIA A100 80GB PCIe", None, profiles) is None
+    assert expected_links("NVIDIA A100-SXM4-80GB", None, profiles) == (12, "nvlinkProfiles")
+    assert expected_links("Tesla V100-SXM2-32GB", 4, profiles) == (6, "nvlinkProfiles")
+    assert expected_links("NVIDIA A100 80GB PCIe", 4, profiles) == (4, "expectedNvlinks")  # no profile matches
+    assert expected_links("NVIDIA A100 80GB PCIe", None, profiles) == (None, "")
+    # an NVSwitch system: every link NVML answers, unless a setting says otherwise
+    assert expected_links("NVIDIA A100-SXM4-80GB", None, (), links=12, nvswitches=6) == (12, "NVSwitch system")
+    assert expected_links("NVIDIA A100-SXM4-80GB", 10, (), links=12, nvswitches=6) == (10, "expectedNvlinks")
+    assert expected_links("NVIDIA A100-SXM4-80GB", None, (), links=0, nvswitches=6) == (None, "")
     assert nvlink_profiles({"NVIDIA H100 80GB HBM3": 18}) == (("nvidia h100 80gb hbm3", 18),)
     for bad in ("H100", "=18", "H100=many", "H100=99", ",".join(["x=1"] * 65)):
         with pytest.raises(ValueError):
@@ -122,9 +127,9 @@ def test_healthy_nodes_of_several_models_stay_healthy(capture, model, total, up)
         assert "no NVLink fitted: all 12 links disabled" in f[0].message
 
 
-def test_an_sxm_gpu_whose_links_never_trained_is_caught_by_its_model_profile():
+def test_an_sxm_gpu_whose_links_never_trained_is_caught_by_the_topology():
     """Azure's health checks fail this A100-SXM4 (every link inactive): with nothing saying the links are wired it
-    reads as "not fitted"; the node's profile says an A100-SXM4 has 12 up."""
+    reads as "not fitted"; the node's profile says an A100-SXM4 has 12 up, and so do the NVSwitches on its PCI bus."""
     model, states = smi_links(A100_SXM_INACTIVE, 12)
     assert model == "NVIDIA A100-SXM4-80GB" and sum(states) == 0
     p, _ = probe_on(states, model)
@@ -132,7 +137,14 @@ def test_an_sxm_gpu_whose_links_never_trained_is_caught_by_its_model_profile():
     p.nvlink_profiles = nvlink_profiles("NVIDIA A100-SXM4*=12")
     f, snap = nvlink_findings(p)
     assert [(x.severity, x.kind) for x in f] == [(Severity.FAULT, "nvlink_down")]
-    assert f[0].message == "NVLink down: 0 of 12 expected links up" and snap.gpus[0].nvlink_fitted
+    assert f[0].message == "NVLink down: 0 of 12 expected links up (nvlinkProfiles)" and snap.gpus[0].nvlink_fitted
+    # on its node (Azure ND A100 v4: six NVSwitches on the PCI bus) the topology says so without a setting
+    p, _ = probe_on(states, model)
+    p.nvswitches = lambda: ["0000:00:0c.0"] * 6
+    f, _ = nvlink_findings(p)
+    assert [x.message for x in f] == ["NVLink down: 0 of 12 expected links up (NVSwitch system)"]
+    p.nvswitches = lambda: (_ for _ in ()).throw(OSError("unreadable"))  # not readable: no expectation from it
+    assert [x.kind for x in nvlink_findings(p)[0]] == ["nvlink_absent"]
     # the same GPU on a node where NVML names the far end of its links (NVSwitches): wired, so down
     p, _ = probe_on(states, model, remote={i: 2 for i in range(12)})
     f, _ = nvlink_findings(p)
@@ -153,7 +165,7 @@ def test_links_that_go_down_after_being_up_are_caught():
     p, _ = probe_on(broken, model)
     assert nvlink_findings(p)[0] == []  # first read, nothing known: not judged
     p.expected_nvlinks = 6
-    assert "4 of 6 expected links up" in nvlink_findings(p)[0][0].message
+    assert "4 of 6 expected links up (expectedNvlinks)" in nvlink_findings(p)[0][0].message
 
 
 def test_a_gpu_in_mig_mode_is_not_judged():
@@ -193,20 +205,25 @@ def test_the_in_memory_default_remembers_per_gpu():
     assert m.nvlinks_seen_up("a") == {1, 2, 3} and m.nvlinks_seen_up("b") == frozenset()
 
 
-def test_check_json_shows_each_gpus_links(simhost):
-    """`check --json` `multinode.nvlink`: a PCIe A100 without a bridge shows its links, none up, not fitted."""
-    from agent.checks import CheckSuite
+def test_check_json_shows_each_gpus_links(tmp_path):
+    """`check --json` `multinode.nvlink`: a PCIe A100 without a bridge on a node without NVSwitches shows its links,
+    none up, not fitted; the same readings on a node with NVSwitches (the simulated HGX) are links down."""
+    from agent.checks import CheckSuite, nvml_reads
     from agent.cli import multinode_json
 
     _, states = smi_links(A100_PCIE, 12)
-    paths = {"nvidia_smi": str(simhost.nvidia_smi), "sysfs_root": str(simhost.sysfs)}
-    paths |= {"dev_root": str(simhost.make_dev_nodes()), "proc_root": str(simhost.proc)}
-    probe, _ = probe_on(states, "NVIDIA A100 80GB PCIe")
-    suite = CheckSuite(config.defaults(**paths), nvml=probe)
-    suite.run(None, one_shot=True)
-    assert multinode_json(suite)["nvlink"] == [
-        {"pci_bus_id": "00000000:19:00.0", "links": 12, "up": [], "down": [], "fitted": False, "judged": True}
-    ]
+    for host, fitted in ((SimHost(tmp_path / "pcie", extra_functions=False), False), (SimHost(tmp_path / "hgx"), True)):
+        paths = {"nvidia_smi": str(host.nvidia_smi), "sysfs_root": str(host.sysfs), "fabric": "off"}
+        paths |= {"dev_root": str(host.make_dev_nodes()), "proc_root": str(host.proc), "fabric_manager": False}
+        probe, _ = probe_on(states, "NVIDIA A100 80GB PCIe")
+        cfg = config.defaults(**paths)
+        suite = CheckSuite(cfg, nvml=nvml_reads(cfg, probe))
+        obs, _ = suite.run(None, one_shot=True)
+        (j,) = multinode_json(suite)["nvlink"]
+        assert (j["links"], j["up"], j["fitted"], j["judged"]) == (12, [], fitted, True)
+        assert [f.kind for f in obs.findings if f.kind.startswith("nvlink")] == (
+            ["nvlink_down"] if fitted else ["nvlink_absent"]
+        )
 
 
 def test_far_ends_are_asked_once_per_link():

@@ -126,7 +126,17 @@ def test_which_devices_are_rails():
     assert rail_devices(ports, {"mlx5_0"}) == ({"mlx5_0"}, "topology")
     assert rail_devices(ports, {"mlx5_0"}, ("mlx5_1",))[0] == {"mlx5_0", "mlx5_1"}
     assert rail_devices(ports, set(), ("mlx5_[01]",)) == ({"mlx5_0", "mlx5_1"}, "railDevices")
-    assert rail_devices(ports, {"mlx5_9"}) == ({"mlx5_0"}, "InfiniBand link layer (no GPU affinity found)")
+    # no GPU beside any device: the largest group of one NIC model and link layer
+    how = "the largest group of one NIC model and link layer (no GPU affinity found)"
+    assert rail_devices(ports, {"mlx5_9"}) == ({"mlx5_1", "mlx5_bond_0"}, how)
+    roce = [_port(f"mlx5_{i}", layer="Ethernet") for i in range(8)] + [
+        _port(f"fe_{i}", rate=100, layer="Ethernet", nic="MT4125") for i in range(4)
+    ]
+    assert rail_devices(roce, set())[0] == {f"mlx5_{i}" for i in range(8)}
+    one_each = [_port("ib", nic="MT4126"), _port("eth", rate=100, layer="Ethernet", nic="MT4126")]
+    assert rail_devices(one_each, set())[0] == {"ib"}  # a tie: the InfiniBand one
+    assert rail_devices(roce, set(), vfs={f"mlx5_{i}" for i in range(8)})[0] == {f"fe_{i}" for i in range(4)}
+    assert rail_devices([], set()) == (set(), "no device")
 
 
 def test_rates_compared_within_one_nic_model_and_link_layer_only():
@@ -192,6 +202,8 @@ def test_healthy_nodes_stay_healthy_with_their_front_end_ports(tmp_path, capture
     old = [f.kind for f in port_findings(ports, None, None, rate_peers=True) if f.severity is Severity.FAULT]
     assert old == old_false_alarms
     assert decide(combine([r], None), []).status is Status.TRUE
+    r, _ = read(host, topology=False)  # as a virtual machine shows it: the largest group is the rails
+    assert faults(r) == [] and r.payload.rails == set(rails)
 
 
 @pytest.mark.parametrize(
@@ -210,9 +222,10 @@ def test_rails_down_on_a_roce_node_are_caught_and_its_front_end_is_not(tmp_path,
     v = decide(combine([r], None), [])
     assert (v.status, v.reason) == (Status.FALSE, Reason.GPU_DEGRADED)
     assert "mlx5_1 " not in v.message and "mlx5_7 " not in v.message  # the front-end ConnectX-6 Dx
-    # without a topology (a virtual machine), RoCE rails are judged when railDevices names them
+    # without a topology (a virtual machine): the largest group of one NIC model and link layer, the 8 MT4129
     r, _ = read(host, topology=False)
-    assert faults(r) == [] and "2 down" in next(f.message for f in r.findings if f.kind == "front_end")
+    assert sorted(faults(r)) == sorted(down) and r.payload.rails == set(rails)
+    assert "(0 down)" in next(f.message for f in r.findings if f.kind == "front_end")
     r, _ = read(host, topology=False, rail_devices=tuple(rails))
     assert sorted(faults(r)) == sorted(down) and r.payload.rails_from == "railDevices"
 
@@ -233,7 +246,7 @@ def test_the_h100_sysfs_tree_a_saturated_counter_and_a_bluefield_bond(tmp_path):
     """gpud's captured /sys/class/infiniband of an H100 node: 8 NDR rails (ConnectX-7, MT4129) and a BlueField-3
     bond (MT41692, 200 Gb/s Ethernet); mlx5_1's link_downed reads 255, the top of its 8 bits."""
     files = sysfs_listing(SYSFS_H100)
-    host = node(tmp_path, files, [])  # no GPU beside any device here: the InfiniBand ones are the rails
+    host = node(tmp_path, files, [])  # no GPU beside any device here: the 8 MT4129 InfiniBand ones are the rails
     r, probe = read(host, topology=False, flaps=FlapThresholds(1, 600.0))
     assert r.ran and faults(r) == []
     assert r.payload.rails == {f"mlx5_{i}" for i in (0, 1, 4, 5, 6, 7, 8, 9)}
@@ -279,6 +292,7 @@ def test_an_sr_iov_node_every_device_is_read_and_virtual_functions_are_not_rails
     r, _ = read(host)
     assert r.ran and faults(r) == [("rail_down", "mlx5_135")]
     assert r.payload.rails == set(rails) and len(r.payload.ports) == 136 and r.payload.not_read == 0
+    assert sorted(r.payload.gpu_rails.values()) == rails  # each GPU's rail is a physical function
 
 
 def test_devices_beyond_the_bound_are_counted_and_never_true(tmp_path, monkeypatch):

@@ -9,10 +9,11 @@ Formats, from the kernel's Documentation/ABI/stable/sysfs-class-infiniband: `sta
 
 Rails and front-end ports: a rail is an RDMA device that carries GPU traffic: one whose PCI function shares a PCIe
 switch or root port with a GPU (below), one named in `railDevices` (names or globs), or, where the topology shows no
-GPU beside any device (a virtual machine), every InfiniBand-link-layer device. A virtual function (its PCI function
-has a `physfn`) is a rail only when listed. Every other port is front-end (the node's own network, a DPU, an unused
-port of a second NIC): read and shown, never judged. Every device is read (up to MAX_DEVICES; beyond that the rest
-are counted and the node is "could not check", never True).
+GPU beside any device (a virtual machine), the largest group of devices of one NIC model and link layer (a GPU
+node has a rail per GPU or pair of GPUs, all of one model, and one or two front-end NICs). A virtual function (its
+PCI function has a `physfn`) is a rail only when listed. Every other port is front-end (the node's own network, a
+DPU, an unused port of a second NIC): read and shown, never judged. Every device is read (up to MAX_DEVICES; beyond
+that the rest are counted and the node is "could not check", never True).
 
 Judged GPUDegraded (the GPUs work; work over this rail does not, or slower), each naming the rail:
 - a rail whose state is not ACTIVE or whose physical state is not LinkUp (`rail_down`); every rail of the node down
@@ -215,19 +216,33 @@ def read_ports(root: str, counters: bool = True, layout: PortLayout | None = Non
     return out
 
 
-def rail_devices(ports: Iterable[Port], affine: Iterable[str], patterns: Iterable[str] = ()) -> tuple[set[str], str]:
+def rail_devices(
+    ports: Iterable[Port], affine: Iterable[str], patterns: Iterable[str] = (), vfs: Collection[str] = ()
+) -> tuple[set[str], str]:
     """The devices that are rails, and how they were chosen: those with GPU affinity (the topology) and those named
-    in `railDevices` (names or globs); with neither, every InfiniBand-link-layer device (a virtual machine, whose
-    PCI topology shows no GPU beside any device: its Ethernet ports are the node's own network)."""
+    in `railDevices` (names or globs). With neither (a virtual machine, whose PCI topology shows no GPU beside any
+    device): the largest group of devices of one NIC model and link layer, the InfiniBand one, then the faster one,
+    on a tie: a GPU node has a rail per GPU or pair of GPUs, all of one model, and one or two front-end NICs.
+    Virtual functions (`vfs`) are rails only when listed."""
+    ports = list(ports)
     devices = {p.device for p in ports}
     listed = {d for d in devices if any(fnmatch.fnmatchcase(d, g) for g in patterns)}
     rails = (set(affine) & devices) | listed
     if rails:
-        return (
-            rails,
-            "topology and railDevices" if listed and rails - listed else "railDevices" if listed else "topology",
-        )
-    return {p.device for p in ports if p.link_layer == "InfiniBand"}, "InfiniBand link layer (no GPU affinity found)"
+        how = "topology and railDevices" if listed and rails - listed else "railDevices" if listed else "topology"
+        return rails, how
+    groups: dict[tuple[str, str], set[str]] = {}
+    fastest: dict[tuple[str, str], float] = {}
+    for p in ports:
+        if p.device in vfs:
+            continue
+        key = (p.nic, p.link_layer)
+        groups.setdefault(key, set()).add(p.device)
+        fastest[key] = max(fastest.get(key, 0.0), p.rate_gbps or 0.0)
+    if not groups:
+        return set(), "no device"
+    best = max(groups, key=lambda k: (len(groups[k]), k[1] == "InfiniBand", fastest[k], k))
+    return groups[best], "the largest group of one NIC model and link layer (no GPU affinity found)"
 
 
 def port_findings(
@@ -395,10 +410,10 @@ def _pci_chain(path: str) -> list[str]:
 
 def rail_topology(
     root: str, sysfs_root: str, gpus: Iterable[PciAddress], devices: Iterable[str]
-) -> tuple[dict[PciAddress, str], set[str]]:
-    """Each GPU's rail (the device under `root` sharing the longest PCI path below the root complex with it), and
-    every device with GPU affinity (sharing at least a root port with some GPU; a virtual function, whose PCI
-    function has a `physfn`, never: its physical function is the rail)."""
+) -> tuple[dict[PciAddress, str], set[str], set[str]]:
+    """Each GPU's rail (the device under `root` sharing the longest PCI path below the root complex with it), every
+    device with GPU affinity (sharing at least a root port with some GPU; a virtual function, whose PCI function has
+    a `physfn`, never: its physical function is the rail), and the virtual functions."""
     nics = {d: _pci_chain(os.path.join(root, d, "device")) for d in sorted(set(devices))}
     vfs = {d for d in nics if os.path.lexists(os.path.join(root, d, "device", "physfn"))}
     out, affine = {}, set()
@@ -407,16 +422,18 @@ def rail_topology(
         chain = _pci_chain(os.path.join(sysfs_root, "bus", "pci", "devices", name))
         best, best_len = None, 0
         for dev, nic in nics.items():
+            if dev in vfs:
+                continue  # a virtual function beside its physical one: the physical one is the GPU's rail
             n = 0
             while n < min(len(chain), len(nic)) - 1 and chain[n] == nic[n]:
                 n += 1
-            if n and dev not in vfs:
+            if n:
                 affine.add(dev)
             if n > best_len:
                 best, best_len = dev, n
         if best is not None:
             out[g] = best
-    return out, affine
+    return out, affine, vfs
 
 
 def gpu_rails(root: str, sysfs_root: str, gpus: Iterable[PciAddress], devices: Iterable[str]) -> dict[PciAddress, str]:
@@ -506,6 +523,7 @@ class InfinibandProbe:
         self._rails_key: tuple[tuple[str, ...], tuple[PciAddress, ...]] | None = None
         self._rails: dict[PciAddress, str] = {}
         self._affine: set[str] = set()
+        self._vfs: set[str] = set()
 
     def read(self, context: ProbeContext) -> ProbeResult:
         try:
@@ -519,9 +537,9 @@ class InfinibandProbe:
             key = (tuple(sorted({p.device for p in ports})), tuple(sorted(context.gpus())))
             if key != self._rails_key:
                 self._rails_key = key
-                self._rails, self._affine = rail_topology(self.root, self.sysfs_root, key[1], key[0])
+                self._rails, self._affine, self._vfs = rail_topology(self.root, self.sysfs_root, key[1], key[0])
             rails_map, affine = dict(self._rails), self._affine
-        rails, how = rail_devices(ports, affine, self.t.rail_devices)
+        rails, how = rail_devices(ports, affine, self.t.rail_devices, self._vfs)
         findings = port_findings(ports, self.t.expected_nics, self.t.min_rate_gbps, self.t.rate_peers, rails)
         self.tracker.observe(ports, context.now)
         findings += self.tracker.findings(rails)

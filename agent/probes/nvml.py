@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,7 @@ class NvlinkVerdict:
     up: int = 0
     fitted: bool = True  # False: every link disabled and nothing says one should be up
     judged: bool = True  # False: not judged (MIG mode)
+    why: str = ""  # what expects them: "expectedNvlinks", "nvlinkProfiles", "NVSwitch system"
 
     @property
     def fault(self) -> bool:
@@ -101,6 +102,7 @@ def nvlink_verdict(
     remote: Collection[int] = (),
     expected: int | None = None,
     mig: bool = False,
+    why: str = "",
 ) -> NvlinkVerdict:
     """One GPU's links judged against what is fitted. up: each link index's state now; seen_up: links seen up
     earlier in this boot; remote: links whose far end NVML names (a GPU or an NVSwitch); expected: links the node's
@@ -110,7 +112,7 @@ def nvlink_verdict(
     known = (set(seen_up) | set(remote)) & set(range(len(up)))
     down = tuple(sorted(known - now_up))
     fitted = bool(now_up or known or expected)
-    return NvlinkVerdict(down, expected, len(now_up), fitted, judged=not mig)
+    return NvlinkVerdict(down, expected, len(now_up), fitted, not mig, why)
 
 
 def nvlink_findings(v: NvlinkVerdict, total: int, addr: PciAddress | None) -> list[Finding]:
@@ -129,7 +131,7 @@ def nvlink_findings(v: NvlinkVerdict, total: int, addr: PciAddress | None) -> li
         return []
     parts = []
     if v.expected is not None and v.up < v.expected:
-        parts.append(f"{v.up} of {v.expected} expected links up")
+        parts.append(f"{v.up} of {v.expected} expected links up" + (f" ({v.why})" if v.why else ""))
     if v.down:
         parts.append(f"links {', '.join(map(str, v.down))} down (up earlier or connected)")
     return [Finding.fault(Check.NVML, Reason.NVML_HEALTH, f"NVLink down: {'; '.join(parts)}", addr, kind="nvlink_down")]
@@ -178,13 +180,21 @@ def nvlink_profiles(v: Any) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-def expected_links(name: str | None, every: int | None, profiles: Sequence[tuple[str, int]]) -> int | None:
-    """The links a GPU of this model must have up: the first matching profile, else `expectedNvlinks`."""
+def expected_links(
+    name: str | None, every: int | None, profiles: Sequence[tuple[str, int]], links: int = 0, nvswitches: int = 0
+) -> tuple[int | None, str]:
+    """The links a GPU of this model must have up, and what says so: the first matching profile, else
+    `expectedNvlinks`, else, on an NVSwitch system (NVSwitches on the node's PCI bus: an HGX/DGX baseboard wires every
+    NVLink of every GPU to them), every one of the `links` NVML answers; else none."""
     model = (name or "").lower()
     for pattern, n in profiles:
         if fnmatch.fnmatchcase(model, pattern):
-            return n
-    return every
+            return n, "nvlinkProfiles"
+    if every is not None:
+        return every, "expectedNvlinks"
+    if nvswitches and links:
+        return links, "NVSwitch system"
+    return None, ""
 
 
 class NvmlProbe:
@@ -208,6 +218,9 @@ class NvmlProbe:
         self.expected_nvlinks: int | None = None  # every GPU's links up (expectedNvlinks)
         self.nvlink_profiles: tuple[tuple[str, int], ...] = ()  # per model (nvlinkProfiles)
         self._far_ends: dict[str, dict[int, bool]] = {}  # per GPU: each link asked, whether NVML named its far end
+        # The NVSwitches on the node's PCI bus (fabric_manager.NvswitchScanner.scan, bounded); None: not looked at.
+        self.nvswitches: Callable[[], Sequence[str]] | None = None
+        self._switches = 0  # this cycle's count (0 when not looked at or not readable: no expectation from it)
         self.read_load, self.read_clocks, self.read_uuids = pcie_load, clock_events, uuids
         self.read_fabric = False
         self.snapshot: NvmlSnapshot | None = None  # the last probe()'s readings
@@ -271,6 +284,7 @@ class NvmlProbe:
             count = self._call(nv.nvmlDeviceGetCount)
         except nv.NVMLError as e:
             return [Finding.unchecked(Check.NVML, f"NVML cannot enumerate GPUs: {e}", kind="enumerate")], None
+        self._switches = self._nvswitch_count() if self.check_nvlink else 0
         for i in range(count):
             findings += self._probe_gpu(nv, i, snap)
         return findings, snap
@@ -409,16 +423,23 @@ class NvmlProbe:
             found = self._remote_ends(nv, h, new)
             asked.update({i: i in found for i in new})
         remote = {i for i, wired in asked.items() if wired}
-        v = nvlink_verdict(
-            states,
-            seen,
-            remote,
-            expected_links(gpu.name, self.expected_nvlinks, self.nvlink_profiles),
-            gpu.mig_enabled,
+        expected, why = expected_links(
+            gpu.name, self.expected_nvlinks, self.nvlink_profiles, len(states), self._switches
         )
+        v = nvlink_verdict(states, seen, remote, expected, gpu.mig_enabled, why)
         gpu.nvlink_fitted = v.fitted
         gpu.nvlink_down = list(v.down) if v.judged else []
         return nvlink_findings(v, len(states), addr)
+
+    def _nvswitch_count(self) -> int:
+        """NVSwitches on PCI; 0 when not looked at or the listing cannot be read (the fabric-manager probe reports
+        that as could not check): no NVLink expectation is drawn from it."""
+        if self.nvswitches is None:
+            return 0
+        try:
+            return len(self.nvswitches())
+        except OSError:
+            return 0
 
     def _remote_ends(self, nv: Any, h: Any, links: list[int]) -> set[int]:
         """The links among `links` whose far end NVML names as a GPU or an NVSwitch (a link that is wired)."""
