@@ -70,9 +70,11 @@ protos: dev
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
 		testkit/proto/deviceplugin_v1beta1.proto
 
-## docs: write docs/configuration.md's settings table from the settings rows (a test checks it is current)
+## docs: write docs/configuration.md's settings table from the settings rows and docs/corpus.md's coverage table
+##   from the node bundles (tests check both are current)
 docs: dev
 	$(BIN)/python -c "from agent.config import write_settings_table as w; w('docs/configuration.md')"
+	$(BIN)/python -m testkit.corpus
 
 ## chart-readme: write charts/gpu-ready/README.md from the chart's values.schema.json, values.yaml and examples/
 ##   (a test checks it is current)

@@ -1,6 +1,7 @@
-"""Command line: `gpu-ready check` (one shot), `gpu-ready run` (the DaemonSet agent), `gpu-ready gpus` (which pods
-hold which GPU, from kubelet's pod-resources), `gpu-ready controller` (preflight Jobs and the fleet brake),
-`gpu-ready preflight` (onboarding gates), `gpu-ready uninstall` (what the chart's uninstall hook runs)."""
+"""Command line: `gpu-ready check` (one shot; `--replay` a bundle), `gpu-ready capture` (a bundle of what the checks
+read), `gpu-ready run` (the DaemonSet agent), `gpu-ready gpus` (which pods hold which GPU, from kubelet's
+pod-resources), `gpu-ready controller` (preflight Jobs and the fleet brake), `gpu-ready preflight` (onboarding
+gates), `gpu-ready uninstall` (what the chart's uninstall hook runs)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from agent import __version__
@@ -21,7 +23,7 @@ from agent.kube.client import ApiError, KubeApi, connect
 from agent.logs import setup_logging
 from agent.model import Check, LatchedFault, Observation, Status, Verdict, XidEvent
 from agent.probes.infiniband import RailReport
-from agent.probes.nvml import NvmlSnapshot, nvlink_json
+from agent.probes.nvml import NvmlProbe, NvmlSnapshot, nvlink_json
 from agent.report.blast_radius import gpus_json, render_gpus
 from agent.report.condition import on_node, render_on_node
 from agent.settings import load_json, read_text_file
@@ -222,11 +224,56 @@ def print_object(obj: dict[str, Any], fmt: str) -> None:
         print(json.dumps(obj, indent=2))
 
 
+def judge_once(
+    cfg: config_mod.Config,
+    node: dict[str, Any] | None = None,
+    node_error: str | None = None,
+    api: KubeApi | None = None,
+    *,
+    nvml: NvmlProbe | None = None,
+    attach: Callable[[CheckSuite], None] | None = None,
+) -> tuple[Verdict, list[XidEvent], CheckSuite, Observation]:
+    """One check cycle as `check` runs it: the kernel log read once, every probe, decide(). `nvml` and `attach` (which
+    may rewire the suite's programs) are the seams `capture` records through and `check --replay` replays through."""
+    log = read_kernel_log(cfg)
+    suite = CheckSuite(cfg, nvml=nvml, api=api if node is not None else None, kernel_log=lambda: log.problem)
+    if attach is not None:
+        attach(suite)
+    xids = log.events
+    # The Xid rate over the log read once: each event at its kernel-log time.
+    suite.xid_rate.observe_at(place_events(xids, device=log.device, now=suite.clock(), newest_usec=log.newest_usec))
+    obs, _stats = suite.run(node, node_error, one_shot=True)
+    obs.xids = xids
+    return decide(obs, latched_from(log, time.time())), xids, suite, obs
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """`check --replay`: the bundle opened (one line and exit 2 when it cannot be), judged by cmd_check, cleaned up."""
+    from agent.bundle import BundleError
+    from agent.replay import open_replay, print_report
+
+    try:
+        args.replay_session = open_replay(args, args.replay)
+    except BundleError as e:
+        print(f"gpu-ready: cannot replay {args.replay}: {' '.join(str(e).split())}", file=sys.stderr)
+        return USAGE_ERROR
+    try:
+        print_report(args.replay_session.report())
+        rc = cmd_check(args)
+        print_report(args.replay_session.report_after())
+        return rc
+    finally:
+        args.replay_session.close()
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     """Exit EXIT[verdict]; USAGE_ERROR (2) with one line for a bad setting, kubeconfig or --node-json."""
+    if getattr(args, "replay", None) and getattr(args, "replay_session", None) is None:
+        return cmd_replay(args)
+    replay = getattr(args, "replay_session", None)
     if args.node:
         args.node_name = args.node  # the node_name setting (`run --node`): dcgm-exporter's host, the slices
-    cfg = config_mod.load(args)
+    cfg = replay.cfg if replay is not None else config_mod.load(args)
     setup_logging(cfg.log_format, cfg.log_level)
     node: dict[str, Any] | None = None
     node_error: str | None = None
@@ -246,18 +293,16 @@ def cmd_check(args: argparse.Namespace) -> int:
                 print(f"gpu-ready: --node {args.node}: no such Node in this cluster", file=sys.stderr)
                 return USAGE_ERROR
             node_error = str(e)
-    log = read_kernel_log(cfg)
-    suite = CheckSuite(
+    elif replay is not None:
+        node = replay.node  # the bundle's node.json, when it has one
+    v, xids, suite, obs = judge_once(
         cfg,
-        api=api if node is not None else None,
-        kernel_log=lambda: log.problem,
+        node,
+        node_error,
+        api,
+        nvml=replay.nvml if replay is not None else None,
+        attach=replay.attach if replay is not None else None,
     )
-    xids = log.events
-    # The Xid rate over the log read once: each event at its kernel-log time.
-    suite.xid_rate.observe_at(place_events(xids, device=log.device, now=suite.clock(), newest_usec=log.newest_usec))
-    obs, _stats = suite.run(node, node_error, one_shot=True)
-    obs.xids = xids
-    v = decide(obs, latched_from(log, time.time()))
     fencing = preview_fencing(api, args.node, cfg, v, suite) if api is not None and node is not None else None
     shown = on_node(node, cfg.condition_type, cfg.taint_key) if node is not None else None
     if args.output in OBJECT_OUTPUTS:
@@ -359,7 +404,8 @@ def build_parser(with_preflight: bool = True, argv: list[str] | None = None) -> 
         "check",
         help="run every check once and print the verdict (exit 0 True, 1 False, 3 Unknown; 2 usage or configuration "
         "error)",
-        usage="%(prog)s [--node NODE | --node-json NODE_JSON] [-o json|yaml|wide] [--config CONFIG] [settings]",
+        usage="%(prog)s [--node NODE | --node-json NODE_JSON | --replay BUNDLE] [-o json|yaml|wide] [--config CONFIG] "
+        "[settings]",
         description="Run every check once and print the per-GPU table and the verdict (-o json or yaml: one "
         "object; -o wide: more columns).",
         epilog=f"{CHECK_EPILOG}\n\n{FLAGS_EPILOG}",
@@ -367,9 +413,27 @@ def build_parser(with_preflight: bool = True, argv: list[str] | None = None) -> 
     src = c.add_mutually_exclusive_group()
     src.add_argument("--node", help="read this Node through the API (in-cluster config or kubeconfig)")
     src.add_argument("--node-json", help="a saved `kubectl get node -o json`")
+    src.add_argument("--replay", metavar="BUNDLE", help="judge a bundle from `gpu-ready capture` (folder or .tar.gz)")
     add_output_flags(c)
     config_mod.add_flags(c, "check")
     c.set_defaults(func=cmd_check)
+    cap = sub.add_parser(
+        "capture",
+        help="write a bundle of everything the checks read on this node (for `check --replay`)",
+        usage="%(prog)s [-o BUNDLE] [--no-redact] [--node-json NODE_JSON] [--config CONFIG] [settings]",
+        description="Judge the node once, recording every reading, and write one bundle (a folder or .tar.gz) of it "
+        "with the raw nvidia-smi views, the sysfs subset, the device nodes and the kernel log; host names, serials, "
+        "UUIDs and addresses redacted. Exit 0, or 2 with one line.",
+        epilog=FLAGS_EPILOG,
+    )
+    if wants_command(argv, "capture"):  # its module (tar, the bundle code) is not loaded by `run` or `check`
+        from agent.capture import add_arguments as capture_arguments
+
+        capture_arguments(cap)
+        config_mod.add_flags(cap, "check")
+    cap.set_defaults(
+        func=lambda a: __import__("agent.capture", fromlist=["cmd_capture"]).cmd_capture(a, judge_once, read_node_json)
+    )
     g = sub.add_parser(
         "gpus",
         help="which pods hold which GPU (kubelet pod-resources): a table of every GPU and a summary line",

@@ -161,3 +161,14 @@ def sched_plane() -> Iterator[SchedulerPlane]:
         if admin is not None:
             admin.close()
         cp.stop()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The node corpus's healthy and broken counts per configuration (tests/test_corpus.py), in every run's output."""
+    from testkit.corpus import SUMMARY
+
+    lines = config.stash.get(SUMMARY, None)
+    if lines:
+        terminalreporter.section("node corpus: healthy and broken nodes per configuration")
+        for line in lines:
+            terminalreporter.write_line(line)

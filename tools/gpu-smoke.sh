@@ -2,8 +2,10 @@
 # `make gpu-smoke`: on a machine with NVIDIA GPUs, capture real nvidia-smi output (table, -q, --query-gpu CSV,
 # nvlink --status), the PCIe link fields and device nodes, run `gpu-ready check --json` with NVML on and
 # `gpu-ready preflight` with an example profile (spec, burn-in, NVLink and CUDA gates), all into one folder
-# named with the GPU model and driver version. Commit what is useful as test fixtures (tests/fixtures, with a
-# SOURCES.md row). Without NVIDIA GPUs it prints "no NVIDIA GPU here" and exits 0.
+# named with the GPU model and driver version, and a node bundle written by `gpu-ready capture` (redacted) with the
+# verdict its replay gives, so the run can join the node corpus (tests/fixtures/nodes/, docs/corpus.md: copy the
+# bundle folder there, add `expect`, `sources` and `notes` to its bundle.json). Commit what is useful as test
+# fixtures (tests/fixtures, with a SOURCES.md row). Without NVIDIA GPUs it prints "no NVIDIA GPU here" and exits 0.
 #
 # Environment: NVIDIA_SMI (default nvidia-smi), GPU_SMOKE_OUT (parent folder, default ./gpu-smoke),
 # GPU_SMOKE_PROFILE (default examples/preflight/h100x8-profile.yaml), GPU_SMOKE_GATES (default
@@ -84,6 +86,9 @@ ls -l "$DEV"/nvidia[0-9]* >>"$OUT/dev-nodes-$tag.txt" 2>&1
 } >"$OUT/sysfs-pcie-links-$tag.txt" 2>&1
 
 capture "gpu-ready-check-$tag.json" "$PY" -m agent.cli check --json --nvml on --nvidia-smi "$SMI"
+# The node bundle: every reading the check makes, recorded (NVML included), and its replay's verdict beside it.
+capture "gpu-ready-capture-$tag.txt" "$PY" -m agent.cli capture -o "$OUT/bundle-$tag" --nvml on --nvidia-smi "$SMI"
+capture "gpu-ready-replay-$tag.json" "$PY" -m agent.cli check --json --replay "$OUT/bundle-$tag"
 sed -e "s/^burnInSeconds:.*/burnInSeconds: ${GPU_SMOKE_BURNIN:-20}/" "$PROFILE" >"$OUT/profile.yaml"
 capture "gpu-ready-preflight-$tag.json" "$PY" -m agent.cli preflight --profile "$OUT/profile.yaml" --json \
     --gates "$GATES" --nvidia-smi "$SMI"
@@ -95,3 +100,4 @@ capture "gpu-ready-preflight-$tag.json" "$PY" -m agent.cli preflight --profile "
     "$PY" -m agent.cli --version 2>&1
 } >"$OUT/README.txt"
 echo "done: $OUT"
+echo "node bundle: $OUT/bundle-$tag (to add it to the corpus: docs/corpus.md)"
