@@ -186,15 +186,12 @@ def test_recorded_hung_call_is_the_probes_timeout():
 
 
 def test_fabric_health_summary_reaches_the_nvml_path():
-    """A Fabric block's `Summary : Unhealthy` (the block of tests/fixtures/nodes/mnnvl-fabric-health-unhealthy, under
-    a GPU heading) rides NVML's fabric structure and is judged as nvidia-smi's own text is."""
+    """A Fabric block's `Summary : Unhealthy` (a real excerpt without its GPU heading, put under one) rides NVML's fabric
+    structure and is judged as nvidia-smi's own text is."""
     from agent.probes.fabric import FabricProbe
 
-    sample = fixture_path("nodes") / "mnnvl-fabric-health-unhealthy" / "nvidia-smi-q.txt"
-    if not sample.exists():
-        pytest.skip("the corpus node with the Unhealthy fabric block is not in this checkout")
-    block = sample.read_text()
-    block = "\n".join(line for line in block.splitlines() if line.strip() not in ("--", "...."))
+    block = fixture_path("smi-q-fabric-unhealthy-mnnvl-dra-driver-626.txt").read_text()
+    block = "\n".join(line for line in block.splitlines() if line.strip() not in ("--", "....") and line[:1] != "#")
     q = "Driver Version                            : 570.124.06\n\nGPU 00000000:01:00.0\n" + block + "\n"
     r, _ = nvml_snapshot(nvml_from_smi_q(q))
     ctx = ProbeContext()
