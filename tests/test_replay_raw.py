@@ -186,8 +186,8 @@ def test_recorded_hung_call_is_the_probes_timeout():
 
 
 def test_fabric_health_summary_reaches_the_nvml_path():
-    """A Fabric block's `Summary : Unhealthy` (a real excerpt without its GPU heading, put under one) rides NVML's fabric
-    structure and is judged as nvidia-smi's own text is."""
+    """A Fabric block's `Summary : Unhealthy` (a real excerpt without its GPU heading, put under one) rides NVML's
+    fabric structure and is judged as nvidia-smi's own text is."""
     from agent.probes.fabric import FabricProbe
 
     block = fixture_path("smi-q-fabric-unhealthy-mnnvl-dra-driver-626.txt").read_text()
