@@ -37,7 +37,7 @@ JOB_CONTROLLERS = ("job-controller", "garbage-collector-controller", "resourcequ
 
 
 @contextlib.contextmanager
-def jobs_control_plane() -> Iterator[ControlPlane]:
+def jobs_control_plane(controllers: tuple[str, ...] = JOB_CONTROLLERS) -> Iterator[ControlPlane]:
     """A control plane of its own with the real Job controller (and the garbage collector, and the quota
     controller that frees a finished pod's quota): the Jobs the controller's token creates make real pods, so a
     test sees what an admitted Job would run. The chart's RuntimeClass exists (the Job's pods need it)."""
@@ -47,7 +47,7 @@ def jobs_control_plane() -> Iterator[ControlPlane]:
     cp = ControlPlane(require_testbin("kube-apiserver", "etcd", "kube-controller-manager"))
     try:
         cp.start()
-        cp.start_controller_manager(JOB_CONTROLLERS)
+        cp.start_controller_manager(controllers)
         admin = cp.admin()
         create_runtime_class(admin)
         admin.close()

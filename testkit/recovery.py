@@ -5,9 +5,10 @@ every GPU again), and the chart's release with recovery on."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +203,33 @@ def reset_processes(host: SimHost) -> list[int]:
         if str(host.nvidia_smi).encode() in args and b"-r" in args:
             out.append(int(pid))
     return out
+
+
+@contextlib.contextmanager
+def release_of(cp: ControlPlane, tmp: Path, name: str = "rec") -> Iterator[tuple[KubeApi, Release, str, str]]:
+    """A recovery release (recovery_release) with an admin client, for a module-scoped fixture: (admin, release,
+    the plugin's namespace, its DaemonSet's uid)."""
+    admin = cp.admin()
+    try:
+        rel, plugin_ns, uid = recovery_release(cp, cp.kubeconfig(tmp / "admin"), name=name)
+        yield admin, rel, plugin_ns, uid
+    finally:
+        admin.close()
+
+
+@contextlib.contextmanager
+def served_node(
+    cp: ControlPlane, release: tuple[KubeApi, Release, str, str], tmp: Path, dev_nodes: bool = False
+) -> Iterator[tuple[Node, str]]:
+    """A Node of the release with the simulated host (its device nodes made with `dev_nodes`), kubelet's
+    pod-resources stand-in serving it and all 8 GPUs advertised: (node, the pod-resources socket)."""
+    from testkit.podresources import serve_pod_resources  # grpc: the dev extra
+
+    admin, rel, plugin_ns, uid = release
+    n = Node(cp, admin, rel, plugin_ns, uid, tmp)
+    if dev_nodes:
+        n.host.make_dev_nodes()
+    with serve_pod_resources() as (sock, k):
+        n.kubelet = k
+        n.sync(advertised=set(range(8)))
+        yield n, sock

@@ -22,30 +22,21 @@ from testkit.harness import wait_for
 
 pytest.importorskip("grpc")  # the pod-resources stand-in's server (dev extra)
 
-from testkit.podresources import serve_pod_resources
-from testkit.recovery import Node, reset_processes
-from testkit.recovery import recovery_release as make_release
+from testkit.recovery import Node, release_of, reset_processes, served_node
 
 K = 4  # the GPU that faults
 
 
 @pytest.fixture(scope="module")
 def recovery_release(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    admin = control_plane.admin()
-    kc = control_plane.kubeconfig(tmp_path_factory.mktemp("rec") / "admin")
-    rel, plugin_ns, uid = make_release(control_plane, kc)
-    yield admin, rel, plugin_ns, uid
-    admin.close()
+    with release_of(control_plane, tmp_path_factory.mktemp("rec")) as release:
+        yield release
 
 
 @pytest.fixture
 def node(control_plane, recovery_release, tmp_path) -> Iterator[tuple[Node, str]]:
-    admin, rel, plugin_ns, uid = recovery_release
-    n = Node(control_plane, admin, rel, plugin_ns, uid, tmp_path)
-    with serve_pod_resources() as (sock, k):
-        n.kubelet = k
-        n.sync(advertised=set(range(8)))
-        yield n, sock
+    with served_node(control_plane, recovery_release, tmp_path) as served:
+        yield served
 
 
 @pytest.mark.apiserver

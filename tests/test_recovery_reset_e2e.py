@@ -30,7 +30,7 @@ from testkit.harness import wait_for
 pytest.importorskip("grpc")  # the pod-resources stand-in's server (dev extra)
 
 from testkit.podresources import serve_pod_resources
-from testkit.recovery import Node, reset_processes
+from testkit.recovery import Node, release_of, reset_processes, served_node
 from testkit.recovery import recovery_release as make_release
 
 K = 4  # the GPU that faults
@@ -39,22 +39,14 @@ REFUSED = fixture_path("reset-refused-persistence-nvsentinel-1690.txt").read_tex
 
 @pytest.fixture(scope="module")
 def recovery_release(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    admin = control_plane.admin()
-    kc = control_plane.kubeconfig(tmp_path_factory.mktemp("rst") / "admin")
-    rel, plugin_ns, uid = make_release(control_plane, kc, name="rst")
-    yield admin, rel, plugin_ns, uid
-    admin.close()
+    with release_of(control_plane, tmp_path_factory.mktemp("rst"), name="rst") as release:
+        yield release
 
 
 @pytest.fixture
 def node(control_plane, recovery_release, tmp_path) -> Iterator[tuple[Node, str]]:
-    admin, rel, plugin_ns, uid = recovery_release
-    n = Node(control_plane, admin, rel, plugin_ns, uid, tmp_path)
-    n.host.make_dev_nodes()
-    with serve_pod_resources() as (sock, k):
-        n.kubelet = k
-        n.sync(advertised=set(range(8)))
-        yield n, sock
+    with served_node(control_plane, recovery_release, tmp_path, dev_nodes=True) as served:
+        yield served
 
 
 def refused_for(n: Node, gpu: int = K) -> str:

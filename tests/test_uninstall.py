@@ -20,11 +20,11 @@ import pytest
 from agent.act.uninstall import UninstallSettings, node_change
 from agent.kube.client import ApiError, KubeApi
 from testkit.chart import CHART, Release, apply_release
-from testkit.cluster import bound_token, create_node, create_runtime_class, ensure_namespace, now_rfc3339
-from testkit.controller import finish_pod
+from testkit.cluster import bound_token, create_node, ensure_namespace, now_rfc3339
+from testkit.controller import finish_pod, jobs_control_plane
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
-from testkit.testbin import require_testbin, tool
+from testkit.testbin import tool
 
 TAINT = "gpu-ready.io/gpu-not-ready"
 NEEDS = "gpu-ready.io/needs-preflight"
@@ -89,16 +89,8 @@ def test_a_node_without_gpu_ready_needs_nothing() -> None:
 
 @pytest.fixture(scope="module")
 def jobs_plane() -> Iterator[ControlPlane]:
-    cp = ControlPlane(require_testbin("kube-apiserver", "etcd", "kube-controller-manager"))
-    try:
-        cp.start()
-        cp.start_controller_manager(("job-controller", "garbage-collector-controller"))
-        admin = cp.admin()
-        create_runtime_class(admin)
-        admin.close()
+    with jobs_control_plane(("job-controller", "garbage-collector-controller")) as cp:
         yield cp
-    finally:
-        cp.stop()
 
 
 def seed_node(admin: KubeApi, name: str, cordoned_by_preflight: bool = False, cordoned: bool = False) -> None:
