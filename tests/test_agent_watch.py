@@ -222,7 +222,9 @@ def test_first_write_waits_for_its_moment_unless_the_status_changes(admin, make_
             return c is not None and c["status"] == "False"
 
         wait_for(false_on_node, 10, 0.02, "the fault on node 1")
-        assert fault.condition.sent_status == "False" and time.monotonic() < fault.publisher.first_write_at
+        # the reporter records what it sent once the PATCH's answer is read, just after the Node shows it
+        wait_for(lambda: fault.condition.sent_status == "False", 10, 0.02, "the reporter's record of the write")
+        assert time.monotonic() < fault.publisher.first_write_at
         # its moment comes: the held write goes out (the loop sleeps until then, not a poll later)
         held.publisher.first_write_at = time.monotonic()
         held.wake.set()
