@@ -190,14 +190,8 @@ class Uninstall:
         version = self.rules_version()
         if version is None:
             return
-        base = f"/apis/resource.k8s.io/{version}/devicetaintrules"
-        try:
-            rules = self.api.request("GET", base, query={"labelSelector": RULE_SELECTOR}, verb="LIST")
-        except ApiError as e:
-            self.errors.append(f"cannot list DeviceTaintRules: {e}")
-            return
-        for r in rules.get("items") or []:
-            self.delete(f"{base}/{quote(r['metadata']['name'])}", "DeviceTaintRule")
+        path = f"/apis/resource.k8s.io/{version}/devicetaintrules"
+        self.delete_listed(path, RULE_SELECTOR, "DeviceTaintRule", "DeviceTaintRules")
 
     def rules_version(self) -> str | None:
         """The served resource.k8s.io version with devicetaintrules, or None (a cluster without DRA device
@@ -216,16 +210,33 @@ class Uninstall:
         return None
 
     def delete_jobs(self) -> None:
-        path = f"/apis/batch/v1/namespaces/{quote(self.s.namespace)}/jobs"
+        self.delete_listed(
+            f"/apis/batch/v1/namespaces/{quote(self.s.namespace)}/jobs",
+            JOB_SELECTOR,
+            "Job",
+            "preflight Jobs",
+            keep=lambda j: self.s.keep_history and job_finished(j),
+            query={"propagationPolicy": "Background"},
+        )
+
+    def delete_listed(
+        self,
+        path: str,
+        selector: str,
+        kind: str,
+        listed_as: str,
+        keep: Callable[[dict[str, Any]], bool] = lambda _: False,
+        query: dict[str, str] | None = None,
+    ) -> None:
+        """Deletes every object of `path` that `selector` lists, but those `keep` says stay."""
         try:
-            jobs = self.api.request("GET", path, query={"labelSelector": JOB_SELECTOR}, verb="LIST")
+            listed = self.api.request("GET", path, query={"labelSelector": selector}, verb="LIST")
         except ApiError as e:
-            self.errors.append(f"cannot list preflight Jobs: {e}")
+            self.errors.append(f"cannot list {listed_as}: {e}")
             return
-        for j in jobs.get("items") or []:
-            if self.s.keep_history and job_finished(j):
-                continue
-            self.delete(f"{path}/{quote(j['metadata']['name'])}", "Job", {"propagationPolicy": "Background"})
+        for obj in listed.get("items") or []:
+            if not keep(obj):
+                self.delete(f"{path}/{quote(obj['metadata']['name'])}", kind, query)
 
     def delete(self, path: str, what: str, query: dict[str, str] | None = None) -> None:
         name = path.rsplit("/", 1)[-1]
