@@ -74,11 +74,13 @@ def test_missing_nvidia_uvm_degrades_the_node_naming_the_device_node(admin, agen
 
 def test_repeated_xid_13_degrades_until_the_window_is_clean_and_never_latches(admin, agent_factory, simhost):
     window = 6.0
-    a = agent_factory(extra={"--xid-rate-window": str(window)})
+    # A saved log's stamps place records only within one read; across reads the agent's clock does. So the first
+    # two go in one write (2 s apart: two occurrences, not one burst), and the third comes at least three polls
+    # (1 s) after them, beyond a burst of 0.25 s.
+    a = agent_factory(extra={"--xid-rate-window": str(window), "--xid-rate-burst": "0.25"})
     a.wait_status(admin, "True", "GPUsHealthy", timeout=60)
     line = "Graphics SM Warp Exception on (GPC 7, TPC 7, SM 0): Out Of Range Address"
-    simhost.append_xid(13, 2, line, apart_s=2.0)  # separate occurrences, not one burst
-    simhost.append_xid(13, 2, line, apart_s=2.0)
+    simhost.append_kmsg(simhost.xid_line(13, 2, line), simhost.xid_line(13, 2, line), apart_s=2.0)
     polls_after(simhost, 3)
     assert a.gpu_ready(admin)["status"] == "True"  # two of three: below the count
     t0 = time.monotonic()
