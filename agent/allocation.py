@@ -43,7 +43,7 @@ MIG profiles of different sizes count as equal slots (an approximation; the rati
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,7 +233,6 @@ class _Gpu:
     gpu: PciAddress | None
     index: int | None
     mig_instances: int = 0
-    in_inventory: bool = False
     dra_devices: list[DraRef] = field(default_factory=list)
     kinds: set[str] = field(default_factory=set)
     ids: dict[str, None] = field(default_factory=dict)  # every ID seen, in order
@@ -258,7 +257,6 @@ class _Resolver:
             if key is None:
                 continue
             e = self.gpus[key]
-            e.in_inventory = True
             e.mig_instances = max(e.mig_instances, len(g.mig))
             for m in g.mig:
                 if m.uuid:
@@ -270,7 +268,6 @@ class _Resolver:
             if key is None:
                 continue
             self.gpus[key].dra_devices.append(d)
-            self.gpus[key].in_inventory = True
             self.dra[(d.driver, d.pool, d.device)] = key
 
     def _add(self, uuid: str, gpu: PciAddress | None, index: int | None) -> str | None:
@@ -464,14 +461,4 @@ def _summarize(
         unmapped=unmapped,
         resources=resources,
         unmapped_total=unmapped_total,
-    )
-
-
-def inventory_from(
-    gpus: Iterable[tuple[str, PciAddress | None, int | None, Sequence[str]]], dra: Iterable[DraRef] = ()
-) -> GpuInventory:
-    """A GpuInventory from (uuid, bus id, index, MIG UUIDs in handle-index order) tuples."""
-    return GpuInventory(
-        tuple(InventoryGpu(u, a, i, tuple(MigInstance(m, n) for n, m in enumerate(migs))) for u, a, i, migs in gpus),
-        tuple(dra),
     )

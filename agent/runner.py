@@ -23,7 +23,6 @@ from agent.http import HealthServer
 from agent.kernel_log.watcher import KernelLogIngest, KmsgSource, KmsgWatcher
 from agent.kernel_log.xid import KernelLogParser, XidClassifier
 from agent.kube.client import KubeApi, client_layer, connect
-from agent.kube.node_cache import NodeCache
 from agent.kube.slice_cache import SliceCache
 from agent.logs import get_logger
 from agent.model import Check, Observation, Verdict
@@ -106,10 +105,6 @@ class Agent:
     @property
     def condition(self) -> ConditionReporter:
         return self.publisher.condition
-
-    @property
-    def node_cache(self) -> NodeCache | None:
-        return self.own.cache
 
     # -- health --------------------------------------------------------------------------------------
 

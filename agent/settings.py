@@ -167,17 +167,9 @@ def non_negative(conv: Callable[[Any], Any], high: float | None = None) -> Calla
     return in_range(conv, 0, high)
 
 
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 _HOSTNAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9.]{0,251}[A-Za-z0-9])?")
-
-
-def dns_label(v: Any) -> str:
-    s = to_str(v)
-    if not _DNS_LABEL.fullmatch(s):
-        raise ValueError(f"expected a DNS label (lowercase letters, digits, '-'; at most 63), got {_show(v)}")
-    return s
 
 
 def dns_subdomain(v: Any) -> str:

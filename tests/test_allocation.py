@@ -23,9 +23,9 @@ from agent.allocation import (
     PodRef,
     ResourceDevices,
     build_map,
-    inventory_from,
 )
 from agent.model import PciAddress
+from testkit.allocation import inventory_from
 
 A, B, C, D = (PciAddress(0, b, 0) for b in (0x19, 0x3B, 0x4C, 0x5D))
 UA, UB, UC, UD = (

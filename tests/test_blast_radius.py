@@ -18,7 +18,6 @@ from agent.allocation import (
     PodRef,
     ResourceDevices,
     build_map,
-    inventory_from,
 )
 from agent.kube.client import KubeApi
 from agent.model import Counts, GpuStatus, PciAddress, Reason, Status, Verdict
@@ -35,6 +34,7 @@ from agent.report.blast_radius import (
 from agent.report.events import EventReporter
 from agent.report.metrics import Metrics
 from agent.verdict import with_note
+from testkit.allocation import inventory_from
 from testkit.cluster import EVENT_NAMESPACE, ensure_namespace
 from testkit.harness import wait_for
 

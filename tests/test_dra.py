@@ -12,6 +12,7 @@ MigDeviceInfo.GetDevice; mig.go CommonAttributesMig; one pool per node named aft
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import subprocess
 import sys
@@ -43,7 +44,6 @@ from agent.act.fencing import (
     plan_fencing,
     rule_prefix,
     slot_of,
-    valid_name,
 )
 from agent.kernel_log.xid import KernelLogParser
 from agent.kube.client import ApiError, KubeApi
@@ -294,6 +294,14 @@ def test_only_gpu_attributed_faults_fence():
     # nvidia-smi could not run: no GPU is known healthy, so nothing is cleared
     assert not fence_view(decide(observation(findings=[smi]))).healthy
     assert fence_view(decide(Observation(findings=[Finding.unchecked(Check.NVML, "x")]))).hold_all
+
+
+SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def valid_name(name: str) -> bool:
+    """A valid object name: a DNS subdomain of at most 253 characters."""
+    return len(name) <= 253 and SUBDOMAIN.fullmatch(name) is not None
 
 
 def test_rule_names_are_numbered_per_node_valid_and_bounded():

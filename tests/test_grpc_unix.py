@@ -23,6 +23,7 @@ from agent.probes.podresources import ALLOCATABLE, LIST, PodResourcesReader
 from agent.proto import podresources_v1_pb2 as pb
 
 grpc = pytest.importorskip("grpc")  # dev extra; the agent itself never imports grpcio
+from testkit.allocation import allocatable_counts  # noqa: E402 - after the dev-extra check
 from testkit.podresources import Kubelet, serve_pod_resources  # noqa: E402 - after the dev-extra check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +132,7 @@ def test_reader_maps_a_server_and_respects_the_minimum_interval(server):
     read, findings = r.read()
     assert read is not None and findings == ()
     assert [c.ref.pod for c in read.listed] == ["train"] and read.pods == 2
-    assert read.allocatable_counts == {"nvidia.com/gpu": 2}
+    assert allocatable_counts(read) == {"nvidia.com/gpu": 2}
     now[0] += 0.5
     assert r.read()[0] is read and k.calls.count("List") == 1  # inside the interval: the last read
     now[0] += 0.6
@@ -243,7 +244,7 @@ def test_check_suite_keeps_the_allocation_map_each_poll(server, tmp_path):
 
     (probe,) = [p for p in suite.probes if isinstance(p, AllocationProbe)]
     read = probe.reader.last
-    assert read is not None and read.allocatable_counts == {"nvidia.com/gpu": 2}
+    assert read is not None and allocatable_counts(read) == {"nvidia.com/gpu": 2}
     assert not [f for f in obs.findings if "pod-resources" in f.message]
 
 

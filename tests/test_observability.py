@@ -66,7 +66,7 @@ def test_every_alert_has_summary_description_runbook():
 def exported_names() -> set[str]:
     from prometheus_client import generate_latest
 
-    from agent.model import Counts, GpuStatus, Reason, Status, Verdict, XidEvent
+    from agent.model import Counts, GpuStatus, Reason, Status, Verdict
     from agent.report.metrics import Metrics
 
     m = Metrics()
@@ -81,7 +81,7 @@ def exported_names() -> set[str]:
         ),
         0,
     )
-    m.observe_xid(XidEvent(79, None, "0000:19:00", True, "t"))
+    m.observe_xid_key((79, "0000:19:00", True))
     m.state_write_failures.inc(0)
     m.events_dropped.labels("422").inc()
     m.api_request("GET", 200)
@@ -89,8 +89,9 @@ def exported_names() -> set[str]:
     m.check_duration.labels("pci").observe(0.01)
     m.taints.observe(())  # gpu_ready_taint{effect}: set from the first Node read
     # the allocation map's series: published only with podResources on
-    from agent.allocation import ContainerAllocation, PodRef, ResourceDevices, build_map, inventory_from
+    from agent.allocation import ContainerAllocation, PodRef, ResourceDevices, build_map
     from agent.model import PciAddress
+    from testkit.allocation import inventory_from
 
     held = ContainerAllocation(PodRef("ns", "p", "c"), (ResourceDevices("nvidia.com/gpu", ("GPU-a",)),))
     inv = inventory_from([("GPU-a", PciAddress(0, 0x19, 0), 0, [])])

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.allocation import build_map, inventory_from
+from agent.allocation import build_map
 from agent.kube.client import KubeApi
 from agent.kube.grpc_unix import unary_call
 from agent.model import PciAddress
 from agent.probes.podresources import LIST, PodResourcesReader
+from testkit.allocation import allocatable_counts, inventory_from
 from testkit.controlplane import REPO
 from testkit.harness import wait_for
 from testkit.node import RealNode
@@ -89,7 +90,7 @@ def test_list_and_allocatable_from_the_real_kubelet(kubelet: Kubelet) -> None:
     read, _ = reader.read()
     assert read is not None
     assert read.listed == ()  # no container holds a device: no device plugin is registered
-    assert read.allocatable_counts == {}  # and none is allocatable
+    assert allocatable_counts(read) == {}  # and none is allocatable
 
     # The raw answer names the pod and its container (the client decodes kubelet's real bytes).
     from agent.proto import podresources_v1_pb2 as pb

@@ -73,7 +73,6 @@ MAX_SLOTS = 1024  # fencing_max_rules at most: rule numbers have at most 4 digit
 # fencing.yaml has the same number); a longer one is replaced by the Node's UID.
 LONG_NODE = MAX_NAME - len(NAME_PREFIX) - len(f".{MAX_SLOTS - 1}")
 _SLOT = re.compile(r"0|[1-9][0-9]{0,3}")
-_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 
 EventHook = Callable[[str, str, str, str, str], None]  # (reason, note, gpu, type, action): EventReporter.record
@@ -169,10 +168,6 @@ def node_label(node: str) -> str:
     if len(node) <= MAX_LABEL_VALUE and _LABEL_VALUE.fullmatch(node):
         return node
     return f"sha256-{_digest(node, 40)}"
-
-
-def valid_name(name: str) -> bool:
-    return len(name) <= MAX_NAME and _SUBDOMAIN.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,6 @@ from agent.state import LatchState
 
 EventHook = Callable[[str, str, str, str, str], None]  # (reason, note, key, type, action)
 MAX_PODS_EVICTED = 64  # per ladder: a GPU holds a few pods (replicas, MIG); more is a bug, not a drain
-PROOF_FIELDS = ("{index}", "{bus_id}")
 
 
 # The metric's `result` per outcome (`ok` and `timeout` as before, for dashboards that count them).

@@ -25,7 +25,6 @@ the taint on shutdown: a node whose agent stops keeps what its last verdict aske
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -42,13 +41,10 @@ from agent.settings import RUN_ONLY, WITH_NODE, Setting, choice, own_taint_key, 
 
 TAINT_KEY = "gpu-ready.io/gpu-not-ready"
 NO_SCHEDULE = "NoSchedule"
-PREFER_NO_SCHEDULE = "PreferNoSchedule"
 NO_EXECUTE = "NoExecute"
 EFFECTS = TAINT_EFFECTS
 JSON_PATCH = "application/json-patch+json"
 MAX_TAINTS = 1000  # bounds the work on a malformed Node; the API itself keeps the list far shorter
-_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 class RecordsEvents(Protocol):
@@ -83,16 +79,6 @@ class TaintPlan:
 
     def __bool__(self) -> bool:
         return bool(self.add or self.remove)
-
-
-def taint_key_error(key: str) -> str | None:
-    """Why `key` is not a valid taint key (a qualified name: optional DNS-subdomain prefix and "/", then a
-    name of at most 63 characters), or None when it is. For the settings' validation."""
-    prefix, slash, name = key.rpartition("/")
-    bad_prefix = bool(slash) and (not prefix or len(prefix) > 253 or not _PREFIX.match(prefix))
-    if len(key) > 317 or not _NAME.match(name) or bad_prefix:
-        return f"taint key {key[:80]!r} is not a qualified name like gpu-ready.io/gpu-not-ready"
-    return None
 
 
 def taints_of(node: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -41,7 +41,6 @@ class NodeView:
     preflight: str = ""  # the preflight label's value (passed, failed, "")
     startup_tainted: bool = False  # carries the startup taint key the controller was told about
     held: str = ""  # why gpu-ready holds it out of service ("": it does not): taint, cordon or condition
-    schedulable: bool = True
     latched: bool = False  # its condition reports a fault still latched (FatalXid, GPURecoveryFailed)
     fault: bool = False  # its condition reports a GPU fault (a reason of the agent's own; not PreflightNotPassed)
 
@@ -69,7 +68,6 @@ def node_view(
         preflight=str(labels.get(preflight_label) or ""),
         startup_tainted=bool(startup_taint) and any(t.get("key") == startup_taint for t in taints),
         held=held,
-        schedulable=not unschedulable,
         latched=any(
             c.get("type") == ctype and c.get("status") == "False" and c.get("reason") in LATCHED_REASONS for c in conds
         ),

@@ -54,16 +54,9 @@ FALLEN_OFF_BUS_XID = 79
 BURST_USEC = 10_000_000
 BURST_RECORDS = 64
 
-# The catalog's rule (agent/data/xid_catalog.csv header): every immediate action latches except these.
-NO_LATCH_ACTIONS = frozenset({"RESTART_APP", "IGNORE"})
 # NVLink5 decode table actions that latch. IGNORE does not; XID_154_EVAL means RESTART_APP unless an Xid 154
 # says more, and that 154 is judged by itself.
 NVLINK5_LATCH_ACTIONS = frozenset({"RESET_GPU"})
-
-
-def latches(action: str) -> bool:
-    """The catalog's one rule: an immediate action latches unless it is RESTART_APP or IGNORE."""
-    return action not in NO_LATCH_ACTIONS
 
 
 @dataclass(frozen=True)

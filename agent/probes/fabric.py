@@ -110,10 +110,6 @@ class FabricReport:
         return {"source": self.source, "applicable": self.applicable, "gpus": [g.to_json() for g in self.gpus]}
 
 
-class FabricUnreadable(Exception):
-    pass
-
-
 def _uuid(raw: Any) -> str | None:
     b = bytes(raw)
     if len(b) != 16:

@@ -64,7 +64,6 @@ class SmiTable:
     gpus: list[SmiGpu] = field(default_factory=list)
     driver_version: str | None = None
     cuda_version: str | None = None
-    mig_section: bool = False
     handle_errors: list[tuple[str, str]] = field(default_factory=list)  # (address, error)
     inforom_corrupted: list[str] = field(default_factory=list)
     whole_run: list[tuple[str, str]] = field(default_factory=list)  # (kind, line)
@@ -193,7 +192,6 @@ def parse_smi_table(text: str) -> SmiTable:
             continue
         if "MIG devices:" in s:
             section, current, mig_owner = "mig", None, None
-            table.mig_section = True
             continue
         if "Processes:" in s:
             section, current = "processes", None

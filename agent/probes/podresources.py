@@ -61,15 +61,6 @@ class PodResourcesRead:
     truncated: tuple[str, ...] = ()  # what the bounds cut, for people
     at: float = 0.0  # monotonic time of the read
 
-    @property
-    def allocatable_counts(self) -> dict[str, int]:
-        """The pod-resources view of allocatable devices per resource name (distinct IDs kubelet reports healthy),
-        e.g. {"nvidia.com/gpu": 8}: what node.status.allocatable should say, read from kubelet itself."""
-        out: dict[str, set[str]] = {}
-        for rd in self.allocatable:
-            out.setdefault(rd.resource, set()).update(rd.ids)
-        return {k: len(v) for k, v in sorted(out.items())}
-
 
 @dataclass
 class _Budget:

@@ -19,7 +19,7 @@ from prometheus_client import (
 )
 
 from agent import __version__
-from agent.model import TAINT_EFFECTS, Check, PciAddress, Reason, Status, Verdict, XidEvent
+from agent.model import TAINT_EFFECTS, Check, PciAddress, Reason, Status, Verdict
 from agent.report.blast_radius import AllocationMetrics
 from agent.report.multinode_metrics import MultinodeMetrics
 
@@ -165,9 +165,6 @@ class Metrics:
         self._gpu_counts: dict[str, int] = {}  # gpu_ready_gpus{source} as last set
         self._check_children: dict[str, Any] = {}
         self._status_shown: tuple[str, str] | None = None  # the gpu_ready_status series at 1
-
-    def observe_xid(self, ev: XidEvent, n: int = 1) -> None:
-        self.observe_xid_key((ev.xid, ev.raw_address, ev.fatal), n)
 
     def observe_xid_key(self, key: tuple[int, str, bool], n: int = 1) -> None:
         child = self._xid_children.get(key)
