@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: dev testbin test test-oldest e2e test-fast lint demo bench chart-lint chart-readme clean gpu-smoke protos docs lock release-dry-run
+.PHONY: dev testbin test test-oldest e2e test-fast lint demo bench chart-lint chart-readme deploy clean gpu-smoke protos docs lock release-dry-run
 
 # The runtime set at the versions requirements/runtime.lock pins (what the image installs), as plain constraints.
 $(STAMP): pyproject.toml requirements/runtime.lock
@@ -46,8 +46,8 @@ test-fast: dev
 
 ## lint: ruff (check + format), mypy, import-linter (module boundaries)
 lint: dev
-	$(BIN)/ruff check agent tests bench testkit tools/release tools/chart_readme.py
-	$(BIN)/ruff format --check agent tests bench testkit tools/release tools/chart_readme.py
+	$(BIN)/ruff check agent tests bench testkit tools/release tools/chart_readme.py tools/deploy_manifests.py
+	$(BIN)/ruff format --check agent tests bench testkit tools/release tools/chart_readme.py tools/deploy_manifests.py
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
@@ -80,6 +80,11 @@ docs: dev
 ##   (a test checks it is current)
 chart-readme: dev
 	$(BIN)/python tools/chart_readme.py
+
+## deploy: write deploy/ from the chart: gpu-ready.yaml for `kubectl apply -f` (helm template, default values, no
+##   hooks) and the rules and dashboard files (a test checks deploy/ is current)
+deploy: dev testbin
+	$(BIN)/python tools/deploy_manifests.py --helm "$$(tools/k8s-testbin/build.sh)/helm"
 
 ## lock: re-resolve requirements/runtime.lock (the image's runtime set, pinned and hashed) after a dependency change
 lock:
