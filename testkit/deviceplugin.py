@@ -49,11 +49,6 @@ DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 ENV_PREFIX = "GPU_READY_TEST_DEVICES_"  # + the resource name, upper case, non-alphanumerics as "_"
 
 
-def whole_gpu_ids(uuids: Sequence[str]) -> dict[str, str]:
-    """`GPU-<uuid>` devices of `nvidia.com/gpu`: device ID -> the GPU it belongs to (its own UUID)."""
-    return {u: u for u in uuids}
-
-
 def replica_ids(uuids: Sequence[str], replicas: int) -> dict[str, str]:
     """Time-sliced / MPS replicas `GPU-<uuid>::<n>`: device ID -> parent GPU UUID."""
     return {f"{u}::{i}": u for u in uuids for i in range(replicas)}

@@ -32,9 +32,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from agent.kube.client import ApiError, KubeApi
+from agent.kube.client import ApiError
 from testkit.controlplane import REPO, ControlPlane, free_port, terminate_group, testbin_dir
 from testkit.harness import wait_for
 
@@ -789,7 +788,3 @@ resolvConf: /etc/resolv.conf
     def cleanup_workdir(self) -> None:
         if not _mounts_under(self.workdir):
             shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def node_status(api: KubeApi, name: str) -> dict[str, Any]:
-    return api.request("GET", f"/api/v1/nodes/{name}")
