@@ -729,7 +729,6 @@ class RecoveryWorker:
         self._pending: Submission | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self.passes = 0
         self.thread: threading.Thread | None = None
 
     def submit(
@@ -773,7 +772,6 @@ class RecoveryWorker:
             except Exception as e:  # a bug must not stop the agent; the ladder resumes on the next cycle
                 self.log.exception("recovery pass failed", error=str(e))
                 continue
-            self.passes += 1
             if changed:
                 self.on_change()
 
