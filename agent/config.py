@@ -19,8 +19,10 @@ from typing import Any
 
 import yaml
 
-from agent import mig_config
-from agent.act import brake, fencing, preflight_mark, recovery, taints
+from agent import mig_layout
+from agent.act import brake, preflight_mark, taints
+from agent.act.fencing import plan as fencing
+from agent.act.recovery import actor as recovery
 from agent.kernel_log import rate, xid
 from agent.kernel_log import watcher as kmsg_watcher
 from agent.probes import (
@@ -181,7 +183,7 @@ SETTINGS: tuple[Setting, ...] = (
     *device_plugin.SETTINGS,
     *dra.SETTINGS,
     *podresources.SETTINGS,
-    *mig_config.SETTINGS,
+    *mig_layout.SETTINGS,
     *kmsg_watcher.SETTINGS,
     *xid.SETTINGS,
     *rate.SETTINGS,

@@ -94,7 +94,7 @@ class Check(StrEnum):
     DCGM = "dcgm"
     POD_RESOURCES = "pod_resources"  # kubelet pod-resources (the allocation map; INFO only)
     INFINIBAND = "infiniband"  # the InfiniBand/RoCE rails (agent/probes/infiniband.py)
-    MIG_LAYOUT = "mig_layout"  # nvidia.com/mig.config against the MIG instances (agent/mig_config.py)
+    MIG_LAYOUT = "mig_layout"  # nvidia.com/mig.config against the MIG instances (agent/mig_layout.py)
     FABRIC = "fabric"  # the NVLink fabric each GPU reports (agent/probes/fabric.py)
     FABRIC_MANAGER = "fabric_manager"  # the fabric manager on NVSwitch systems (agent/probes/fabric_manager.py)
     IMEX = "imex"  # the IMEX daemon's readiness, opt-in (agent/probes/imex.py)
@@ -234,7 +234,7 @@ class GpuStatus:
     problems: tuple[str, ...] = ()  # "<Reason>: <text>", for people
     reasons: tuple[Reason, ...] = ()  # the reasons of `problems`, each once, in priority order (for reporters)
     unchecked: tuple[Check, ...] = ()  # sources that could not check this GPU this cycle
-    remedy: str | None = None  # what heals its faults (agent/recovery.py): "reset", "node"; None: nothing to heal
+    remedy: str | None = None  # what heals its faults (act/recovery/ladder.py): "reset", "node"; None: none
     recovery: str | None = None  # its recovery ladder's step ("draining", "escalated", ...); None: none
 
     def to_json(self) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from agent.act.brake import Brake, split_ref
-from agent.act.fencing import FenceEffect, FenceMetrics, FenceReporter, FenceWorker, FencingSettings
+from agent.act.fencing.plan import FenceEffect, FencingSettings
+from agent.act.fencing.reporter import FenceMetrics, FenceReporter, FenceWorker
 from agent.act.preflight_mark import PreflightMark
 from agent.act.taints import TaintMode, TaintPlan, TaintReporter, TaintSettings
 from agent.allocation import AllocationMap

@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 from agent import config as config_mod
-from agent.act import recovery
+from agent.act.recovery import actor as recovery
 from agent.checks import ChecksThread, CheckSuite, CycleStats
 from agent.clock import SYSTEM, Clock
 from agent.config import Config, ConfigError

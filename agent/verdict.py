@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
+from agent.act.recovery.ladder import REFUSED_PREFIX, Remedy, Step, gpu_remedy, nvml_action_of
 from agent.model import (
     FAULT_REASONS,
     Check,
@@ -38,7 +39,6 @@ from agent.model import (
     Status,
     Verdict,
 )
-from agent.recovery import REFUSED_PREFIX, Remedy, Step, gpu_remedy, nvml_action_of
 
 MESSAGE_LIMIT = 1000  # bytes; the condition message stays under 1 KiB
 # The reasons of a latched fault: a FatalXid, and a GPU whose recovery gave up (its fault stays latched).
@@ -97,7 +97,7 @@ def decide(
     preflight_passed: bool = True,
     recovery: Mapping[PciAddress, tuple[str, str]] | None = None,
 ) -> Verdict:
-    """recovery: each GPU's recovery ladder (agent/recovery.py) as (step, why); an escalated one makes the node
+    """recovery: each GPU's recovery ladder (act/recovery/ladder.py) as (step, why); an escalated one makes the node
     GPURecoveryFailed (its fault stays latched and fenced)."""
     gpus = obs.gpus
     recovery = recovery or {}
