@@ -141,6 +141,16 @@ class GpuIdentity:
     mig_devices: int = 0
 
 
+def gpu_label(addr: PciAddress | None, gpus: Mapping[PciAddress, GpuIdentity]) -> str:
+    """How a message names a GPU: `GPU 3 (0000:3b:00.0)` when its index is known; "node" for no GPU."""
+    if addr is None:
+        return "node"
+    ident = gpus.get(addr)
+    if ident is not None and ident.index is not None:
+        return f"GPU {ident.index} ({addr.nvml})"
+    return f"GPU {addr.nvml}"
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     """What every probe returns: findings plus what it counted. `ran` False means the source could not

@@ -38,20 +38,12 @@ from agent.model import (
     Severity,
     Status,
     Verdict,
+    gpu_label,
 )
 
 MESSAGE_LIMIT = 1000  # bytes; the condition message stays under 1 KiB
 # The reasons of a latched fault: a FatalXid, and a GPU whose recovery gave up (its fault stays latched).
 LATCHED_REASONS = frozenset({Reason.FATAL_XID, Reason.GPU_RECOVERY_FAILED, Reason.GPU_RESET_REFUSED})
-
-
-def gpu_label(addr: PciAddress | None, gpus: dict[PciAddress, GpuIdentity]) -> str:
-    if addr is None:
-        return "node"
-    ident = gpus.get(addr)
-    if ident is not None and ident.index is not None:
-        return f"GPU {ident.index} ({addr.nvml})"
-    return f"GPU {addr.nvml}"
 
 
 def count_mismatches(c: Counts, expected: int | None) -> list[str]:

@@ -242,18 +242,22 @@ class TaintReporter:
         latched_fatal: bool,
         startup_gate_open: bool,
         node: dict[str, Any] | None = None,
+        brake_engaged: bool | None = None,
     ) -> TaintPlan:
         """Brings gpu-ready's taint to what the verdict asks for and returns the plan applied (empty when
         nothing changed). `node` is the Node this poll already read (saves a GET; re-read on a conflict).
         Events are recorded, not flushed: the caller flushes with the others. Raises ApiError (and then
         backs off: see due()). Mode off only reports (metrics) the taint seen on `node`: a startup taint the
-        agent is not allowed to remove still shows in gpu_ready_taint."""
+        agent is not allowed to remove still shows in gpu_ready_taint. `brake_engaged`: the fleet brake as the
+        caller read it (None: ask `brake`)."""
         if self.settings.mode is TaintMode.OFF:
             if node is not None:
                 self._observe(taints_of(node))
             return TaintPlan()
         try:
-            plan = self._reconcile(verdict, latched_fatal, startup_gate_open, node)
+            if brake_engaged is None:
+                brake_engaged = self.brake is not None and self.brake()
+            plan = self._reconcile(verdict, latched_fatal, startup_gate_open, node, brake_engaged)
         except ApiError as e:
             self.backoff.failed(e)
             raise
@@ -261,7 +265,12 @@ class TaintReporter:
         return plan
 
     def _reconcile(
-        self, verdict: Verdict, latched_fatal: bool, startup_gate_open: bool, node: dict[str, Any] | None
+        self,
+        verdict: Verdict,
+        latched_fatal: bool,
+        startup_gate_open: bool,
+        node: dict[str, Any] | None,
+        brake_engaged: bool,
     ) -> TaintPlan:
         if node is None:
             node = self._get()
@@ -279,7 +288,7 @@ class TaintReporter:
                 self.settings,
                 startup_gate_open,
                 self.ctype,
-                brake=self.brake is not None and self.brake(),
+                brake=brake_engaged,
             )
             if not plan:
                 self._observe(current)

@@ -80,6 +80,7 @@ class FenceReporter:
         on_event: EventHook | None = None,
         metrics: FenceMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        brake: Callable[[], bool] | None = None,
     ) -> None:
         self.api = api
         self.node = node
@@ -94,7 +95,7 @@ class FenceReporter:
         self._listed_at = 0.0
         self.node_uid: str | None = None  # read once, only for a node name over LONG_NODE characters
         # The fleet brake (act/brake.py): while it holds this node, NoExecute rules are written as NoSchedule.
-        self.brake: Callable[[], bool] | None = None
+        self.brake = brake
 
     def effective(self) -> FencingSettings:
         """The settings this reconcile applies: the fleet brake turns a NoExecute effect into NoSchedule."""
