@@ -5,7 +5,8 @@ The publisher is the loop over act/steps.py STEPS (each an act/step.py `ActionSt
 1. fencing (act/fencing/) gets the verdict on its own thread and never delays the condition; the devices fenced
    so far are named in the message;
 2. the message names the pods on the affected GPUs (report/blast_radius.py), with one Event (on the Node) per pod
-   holding a GPU that turned bad; 3. metrics follow the verdict;
+   holding a GPU that turned bad;
+3. metrics follow the verdict;
 4. Events (on the Node): one per freshly latched kernel-log fault;
 5. the condition (report/condition.py), under its own backoff and the first write's start-up spread;
 6. the own taint (act/taints.py), after the condition, from the freshest Node copy;

@@ -93,7 +93,7 @@ def node(make_node: Callable[..., str]) -> str:
 
 
 def publisher(api: KubeApi, node: str, steps: tuple[StepSpec, ...] = STEPS, log: Any = None, **over: Any) -> Publisher:
-    cfg = config.defaults(node_name=node, start_spread=0, **over)
+    cfg = config.defaults(node_name=node, **{"start_spread": 0, **over})
     return Publisher(cfg, api, Metrics(), Clock(), log or RecordingLog(), random.Random(1), lambda: None, steps=steps)
 
 
