@@ -20,9 +20,10 @@ from typing import Any
 import yaml
 
 from agent import mig_layout
-from agent.act import brake, preflight_mark, taints
+from agent.act import brake, preflight_mark
 from agent.act.fencing import plan as fencing
 from agent.act.recovery import actor as recovery
+from agent.act.taints import plan as taints
 from agent.kernel_log import rate, xid
 from agent.kernel_log import watcher as kmsg_watcher
 from agent.probes import (

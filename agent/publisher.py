@@ -9,7 +9,7 @@ The publisher is the loop over act/steps.py STEPS (each an act/step.py `ActionSt
 3. metrics follow the verdict;
 4. Events (on the Node): one per freshly latched kernel-log fault;
 5. the condition (report/condition.py), under its own backoff and the first write's start-up spread;
-6. the own taint (act/taints.py), after the condition, from the freshest Node copy;
+6. the own taint (act/taints/), after the condition, from the freshest Node copy;
 7. the needs-preflight label (act/preflight_mark.py) once a GPU fault latched.
 
 Each step gets one `Snapshot` (the verdict, the latches, the Node, the DRA inventory, the allocation, the brake),

@@ -18,7 +18,7 @@ from agent import config
 from agent.act.fencing.plan import SETTINGS as FENCING_SETTINGS
 from agent.act.step import Quiet, Snapshot, StepSpec, Wiring
 from agent.act.steps import STEPS, ConditionStep, FenceStep, PreflightMarkStep, TaintStep
-from agent.act.taints import NO_EXECUTE, NO_SCHEDULE, TAINT_KEY
+from agent.act.taints.plan import NO_EXECUTE, NO_SCHEDULE, TAINT_KEY
 from agent.clock import Clock
 from agent.kube.client import KubeApi
 from agent.model import GpuIdentity, LatchedFault, Observation, PciAddress, Reason, Status, Verdict, XidEvent

@@ -8,7 +8,7 @@ act/step.py; agent/publisher.py is the loop over this list).
 3. metrics follow the verdict;
 4. one Event per freshly latched kernel-log fault;
 5. the condition (report/condition.py), under its own backoff and the first write's start-up spread;
-6. the own taint (act/taints.py), after the condition, from the freshest Node copy;
+6. the own taint (act/taints/), after the condition, from the freshest Node copy;
 7. the needs-preflight label (act/preflight_mark.py) once a GPU fault latched, from the Node copy the taint
    step left.
 
@@ -21,13 +21,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import ClassVar
 
-from agent.act import preflight_mark, taints
+from agent.act import preflight_mark
 from agent.act.fencing import plan as fencing_plan
 from agent.act.fencing.plan import FenceEffect, FencingSettings
 from agent.act.fencing.reporter import FenceMetrics, FenceReporter, FenceWorker
 from agent.act.preflight_mark import PreflightMark
 from agent.act.step import Quiet, Snapshot, StepSpec, Wiring
-from agent.act.taints import TaintMode, TaintPlan, TaintReporter, TaintSettings
+from agent.act.taints import plan as taint_plan
+from agent.act.taints.plan import TaintMode, TaintPlan, TaintSettings
+from agent.act.taints.reporter import TaintReporter
 from agent.kube.backoff import ApiHealth, first_write_delay, heartbeat_delay
 from agent.kube.client import ApiError
 from agent.model import Reason, Status, Verdict, gpu_label
@@ -187,7 +189,7 @@ class TaintStep(Quiet):
     taint patch never delays a condition write. Never removed on shutdown."""
 
     name: ClassVar[str] = "taint"
-    settings: ClassVar[tuple[Setting, ...]] = taints.SETTINGS
+    settings: ClassVar[tuple[Setting, ...]] = taint_plan.SETTINGS
     policies: ClassVar[tuple[str, ...]] = (OWN_NODE, OWN_EVENTS)
 
     def __init__(self, w: Wiring) -> None:

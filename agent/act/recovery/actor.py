@@ -54,7 +54,7 @@ from agent.act.recovery.ladder import (
     prune,
     start,
 )
-from agent.act.taints import own_effects, taints_of
+from agent.act.taints.plan import own_effects, taints_of
 from agent.allocation import AllocationMap
 from agent.kube.client import ApiError, KubeApi
 from agent.model import Check, GpuIdentity, LatchedFault, Observation, PciAddress, Severity, XidEvent
