@@ -14,7 +14,8 @@ from typing import Any, NoReturn
 
 from agent import __version__
 from agent import config as config_mod
-from agent.act.fencing import FenceEffect, FenceReporter, FenceResult, FencingSettings
+from agent.act.fencing.plan import FenceEffect, FenceResult, FencingSettings
+from agent.act.fencing.reporter import FenceReporter
 from agent.allocation import AllocationMap
 from agent.checks import CheckSuite
 from agent.kernel_log.watcher import KernelLog, place_events, read_once

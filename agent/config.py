@@ -19,8 +19,11 @@ from typing import Any
 
 import yaml
 
-from agent import mig_config
-from agent.act import brake, fencing, preflight_mark, recovery, taints
+from agent import mig_layout
+from agent.act import brake, preflight_mark
+from agent.act.fencing import plan as fencing
+from agent.act.recovery import actor as recovery
+from agent.act.taints import plan as taints
 from agent.kernel_log import rate, xid
 from agent.kernel_log import watcher as kmsg_watcher
 from agent.probes import (
@@ -181,7 +184,7 @@ SETTINGS: tuple[Setting, ...] = (
     *device_plugin.SETTINGS,
     *dra.SETTINGS,
     *podresources.SETTINGS,
-    *mig_config.SETTINGS,
+    *mig_layout.SETTINGS,
     *kmsg_watcher.SETTINGS,
     *xid.SETTINGS,
     *rate.SETTINGS,

@@ -94,7 +94,7 @@ class Check(StrEnum):
     DCGM = "dcgm"
     POD_RESOURCES = "pod_resources"  # kubelet pod-resources (the allocation map; INFO only)
     INFINIBAND = "infiniband"  # the InfiniBand/RoCE rails (agent/probes/infiniband.py)
-    MIG_LAYOUT = "mig_layout"  # nvidia.com/mig.config against the MIG instances (agent/mig_config.py)
+    MIG_LAYOUT = "mig_layout"  # nvidia.com/mig.config against the MIG instances (agent/mig_layout.py)
     FABRIC = "fabric"  # the NVLink fabric each GPU reports (agent/probes/fabric.py)
     FABRIC_MANAGER = "fabric_manager"  # the fabric manager on NVSwitch systems (agent/probes/fabric_manager.py)
     IMEX = "imex"  # the IMEX daemon's readiness, opt-in (agent/probes/imex.py)
@@ -139,6 +139,16 @@ class GpuIdentity:
     name: str | None = None
     mig_enabled: bool | None = None  # None: the source does not say
     mig_devices: int = 0
+
+
+def gpu_label(addr: PciAddress | None, gpus: Mapping[PciAddress, GpuIdentity]) -> str:
+    """How a message names a GPU: `GPU 3 (0000:3b:00.0)` when its index is known; "node" for no GPU."""
+    if addr is None:
+        return "node"
+    ident = gpus.get(addr)
+    if ident is not None and ident.index is not None:
+        return f"GPU {ident.index} ({addr.nvml})"
+    return f"GPU {addr.nvml}"
 
 
 @dataclass(frozen=True)
@@ -234,7 +244,7 @@ class GpuStatus:
     problems: tuple[str, ...] = ()  # "<Reason>: <text>", for people
     reasons: tuple[Reason, ...] = ()  # the reasons of `problems`, each once, in priority order (for reporters)
     unchecked: tuple[Check, ...] = ()  # sources that could not check this GPU this cycle
-    remedy: str | None = None  # what heals its faults (agent/recovery.py): "reset", "node"; None: nothing to heal
+    remedy: str | None = None  # what heals its faults (act/recovery/ladder.py): "reset", "node"; None: none
     recovery: str | None = None  # its recovery ladder's step ("draining", "escalated", ...); None: none
 
     def to_json(self) -> dict[str, Any]:

@@ -1,50 +1,66 @@
 """The publish order, once per verdict: what the loop hands over after each cycle or kernel-log wake.
 
-1. fencing (act/fencing.py) gets the verdict on its own thread and never delays the condition; the devices fenced
-   so far are named in the message;
-2. the message names the pods on the affected GPUs (report/blast_radius.py); metrics follow the verdict;
-3. Events (on the Node): one per pod holding a GPU that turned bad, naming it; one per freshly latched
-   kernel-log fault;
-4. the condition (report/condition.py), under its own backoff and the first write's start-up spread;
-5. the own taint (act/taints.py), after the condition, from the freshest Node copy;
-6. the needs-preflight label (act/preflight_mark.py) once a GPU fault latched.
+The publisher is the loop over act/steps.py STEPS (each an act/step.py `ActionStep`), in this order:
 
-The fleet brake (act/brake.py) is one watch of the controller's ConfigMap; the taint and the fencing ask it
-before a NoExecute.
+1. fencing (act/fencing/) gets the verdict on its own thread and never delays the condition; the devices fenced
+   so far are named in the message;
+2. the message names the pods on the affected GPUs (report/blast_radius.py), with one Event (on the Node) per pod
+   holding a GPU that turned bad;
+3. metrics follow the verdict;
+4. Events (on the Node): one per freshly latched kernel-log fault;
+5. the condition (report/condition.py), under its own backoff and the first write's start-up spread;
+6. the own taint (act/taints/), after the condition, from the freshest Node copy;
+7. the needs-preflight label (act/preflight_mark.py) once a GPU fault latched.
+
+Each step gets one `Snapshot` (the verdict, the latches, the Node, the DRA inventory, the allocation, the brake),
+read once per verdict; a note a step adds goes into the message before the next step. A step that fails is logged
+and the steps after it still run. The channels the steps share are built here: the Event writer (its own thread),
+the condition reporter and the fleet brake (act/brake.py: one watch of the controller's ConfigMap; the taint and
+the fencing ask it before a NoExecute).
 
 Every wait it imposes is one deadline (`next_deadline`), which the loop sleeps to."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from agent.act.brake import Brake, split_ref
-from agent.act.fencing import FenceEffect, FenceMetrics, FenceReporter, FenceWorker, FencingSettings
-from agent.act.preflight_mark import PreflightMark
-from agent.act.taints import TaintMode, TaintPlan, TaintReporter, TaintSettings
+from agent.act.step import ActionStep, Snapshot, StepSpec, Wiring
+from agent.act.steps import STEPS, ConditionStep
 from agent.allocation import AllocationMap
 from agent.clock import Clock
 from agent.config import Config
-from agent.kube.backoff import ApiHealth, first_write_delay, heartbeat_delay
-from agent.kube.client import ApiError, KubeApi
-from agent.model import GpuIdentity, PciAddress, Reason, Status, Verdict, XidEvent
+from agent.kube.client import KubeApi
+from agent.model import GpuIdentity, PciAddress, Verdict, XidEvent
 from agent.probes.dra import DraInventory
-from agent.report.blast_radius import EVENT_REASON as POD_EVENT_REASON
-from agent.report.blast_radius import BlastRadius, affected_note
 from agent.report.condition import ConditionReporter
 from agent.report.events import EventPublisher, EventReporter
 from agent.report.metrics import Metrics
-from agent.verdict import gpu_label, with_note
+from agent.verdict import with_note
+
+S = TypeVar("S")
 
 
 class Publisher:
     def __init__(
-        self, cfg: Config, api: KubeApi, metrics: Metrics, clock: Clock, log: Any, rng: random.Random, wake: Any
+        self,
+        cfg: Config,
+        api: KubeApi,
+        metrics: Metrics,
+        clock: Clock,
+        log: Any,
+        rng: random.Random,
+        wake: Callable[[], None],
+        node_labels: Callable[[], dict[str, str] | None] | None = None,
+        steps: Sequence[StepSpec] = STEPS,
     ) -> None:
+        """node_labels: the own Node's labels as last read (None: not known yet); the brake admits by rule a node
+        its controller does not count (act/brake.py)."""
         assert cfg.node_name
-        self.cfg, self.clock, self.log, self.rng, self.metrics = cfg, clock, log, rng, metrics
+        self.log = log
         node, m = cfg.node_name, metrics
         self.condition = ConditionReporter(
             api, node, cfg.heartbeat_interval, wall=clock.wall, mono=clock.mono, ctype=cfg.condition_type
@@ -59,56 +75,61 @@ class Publisher:
         )
         dropped = m.events_dropped
         self.events = EventPublisher(events, cfg.retry_cap_s, log, on_drop=lambda code: dropped.labels(str(code)).inc())
-        self.blast = BlastRadius(node)
-        self.write_health = ApiHealth(log, cfg.retry_cap_s, mono=clock.mono)
-        # gpu-ready's taint on this Node (docs/taints.md): its own backoff, after the condition write, so a
-        # refused taint patch never delays a condition write. Never removed on shutdown.
-        settings = TaintSettings(TaintMode(cfg.taints), cfg.taint_no_execute, cfg.taint_unknown_as_false, cfg.taint_key)
-        self.taints = TaintReporter(
-            api, node, settings, events=self.events, metrics=m.taints, retry_cap_s=cfg.retry_cap_s,
-            ctype=cfg.condition_type, wall=clock.wall, mono=clock.mono,
-        )  # fmt: skip
-        self.taint_health = ApiHealth(log, cfg.retry_cap_s, mono=clock.mono)  # logs the taint write's state
         ns, name = split_ref(cfg.brake_configmap)
         self.brake = Brake(api, node, ns, name, on_change=wake, watch_timeout_s=cfg.node_watch_timeout)
-        self.taints.brake = self.brake.brake_engaged
-        self.mark = PreflightMark(
-            api, node, cfg.marks_after_fault, cfg.needs_preflight_label, self.events.record, clock.mono,
-            cfg.retry_cap_s,
-        )  # fmt: skip
-        self.mark_health = ApiHealth(log, cfg.retry_cap_s, mono=clock.mono)
-        self.fence: FenceWorker | None = None  # per-GPU DeviceTaintRules (docs/fencing.md); None when off
-        if cfg.fencing:
-            fs = FencingSettings(
-                True, FenceEffect(cfg.fencing_effect), cfg.dra_driver, cfg.fencing_max_rules, cfg.fencing_resync
-            )
-            reporter = FenceReporter(
-                api, node, fs, on_event=self.events.record, metrics=FenceMetrics(m.registry), clock=clock.mono
-            )
-            reporter.brake = self.brake.brake_engaged
-            self.fence = FenceWorker(reporter, on_change=wake, log=log)
-        self.first_write_at = clock.mono() + first_write_delay(rng, cfg.start_spread)
+        if node_labels is not None:
+            self.brake.node_labels = node_labels
+        wiring = Wiring(cfg, api, m, clock, log, rng, wake, self.events, self.condition, self.brake)
+        self.steps: list[ActionStep] = [spec.kind(wiring) for spec in steps if spec.enabled(cfg)]
+        self.failures = 0  # step runs that raised (logged; the steps after it still ran)
+
+    def step(self, kind: type[S]) -> S | None:
+        """The built step of that class; None when it is not in the list (off under these settings)."""
+        return next((s for s in self.steps if isinstance(s, kind)), None)
+
+    @property
+    def first_write_at(self) -> float:
+        """When the first condition write may go at the latest (start_spread; see ConditionStep)."""
+        cond = self.step(ConditionStep)
+        return cond.first_write_at if cond is not None else 0.0
+
+    @first_write_at.setter
+    def first_write_at(self, at: float) -> None:
+        cond = self.step(ConditionStep)
+        if cond is not None:
+            cond.first_write_at = at
 
     def record(self, reason: str, note: str, key: str, type_: str, action: str) -> None:
+        """Queues an Event about the own Node (the Event writer sends it on its own thread)."""
         self.events.record(reason, note, key, type_, action)
+
+    def brake_engaged(self) -> bool:
+        """The fleet brake holds this node's disruptive actions (recovery asks it before an eviction or reset)."""
+        return self.brake.brake_engaged()
+
+    def adopt(self, existing: Any, node: dict[str, Any]) -> None:
+        """The condition the Node already shows, held at start; the Node's UID for the Events' object reference."""
+        self.condition.adopt(existing)
+        self.events.reporter.node_uid = (node.get("metadata") or {}).get("uid")
 
     def start(self) -> None:
         self.brake.start()
         self.events.start()
-        if self.fence is not None:
-            self.fence.start()
+        for s in self.steps:
+            s.start()
 
     def close(self) -> None:
         self.brake.stop()
         self.events.close()
-        if self.fence is not None:
-            self.fence.close()
+        for s in self.steps:
+            try:
+                s.close()
+            except Exception as e:  # one step's failure to stop never keeps the others running
+                self.log.exception("publish step failed to close", step=s.name, error=str(e))
 
     def next_deadline(self, now: float) -> float | None:
         """The soonest moment a held write may go (a backoff ends, the first write's spread ends); None: none."""
-        waits = [t for t in (self.write_health.retry_at, self.taints.retry_at, self.mark.backoff.retry_at) if t > now]
-        if self.condition.sent is None and self.first_write_at > now:
-            waits.append(self.first_write_at)
+        waits = [t for t in (s.deadline(now) for s in self.steps) if t is not None and t > now]
         return min(waits, default=None)
 
     def publish(
@@ -123,85 +144,18 @@ class Publisher:
         inventory: DraInventory | None,
         allocation: AllocationMap | None,
         node: tuple[dict[str, Any], float] | None,
-    ) -> None:
-        if self.fence is not None:  # never waits for the fencing thread; it wakes the loop when its set changes
-            self.fence.submit(v, inventory)
-            v = with_note(v, self.fence.summary())
-        v = with_note(v, affected_note(v, allocation))  # "...; 3 pods on the affected GPUs"
-        self.metrics.publish(v, latched)
-        for pe in self.blast.step(v, allocation):  # one Event (on the Node) per pod holding a GPU that turned bad
-            self.events.record(POD_EVENT_REASON, pe.note, pe.key, "Warning", "Detected")
-        for ev in fresh:
-            where = gpu_label(ev.address, gpus) if ev.address else f"NVSwitch {ev.raw_address}"
-            kind = "SXid" if ev.source == "sxid" else "Xid"
-            note = f"{kind} {ev.xid} ({ev.name}) on {where}: {ev.text}"
-            self.events.record(Reason.FATAL_XID.value, note[:1000], ev.raw_address, "Warning", "Detected")
-        self._write_condition(v)
-        self._reconcile_taints(v, latched_fatal, gate_open, node)
-        self._mark_needs_preflight(latched_fatal, node)
-
-    def _mark_needs_preflight(self, latched_fatal: bool, node: tuple[dict[str, Any], float] | None) -> None:
-        if node is None:
-            return
-        try:
-            if self.mark.reconcile(latched_fatal, self.taints.freshest(*node)):
-                self.mark_health.ok("write needs-preflight label")
-                self.log.info("labelled the Node", label=self.cfg.needs_preflight_label, value="true")
-        except ApiError as e:
-            self.mark_health.failed(e, "write needs-preflight label")
-
-    def _write_condition(self, v: Verdict) -> None:
-        now = self.clock.mono()
-        if now < self.write_health.retry_at or not self.condition.due(v) or self._first_write_held(v, now):
-            return
-        prev = self.condition.sent_status
-        try:
-            changed = self.condition.write(v)
-        except ApiError as e:
-            self.write_health.failed(e, "write status")
-            return
-        self.write_health.ok("write status")
-        self.condition.heartbeat_s = heartbeat_delay(self.rng, self.cfg.heartbeat_interval, self.cfg.heartbeat_jitter)
-        self.metrics.condition_writes.inc()
-        if changed:
-            ctype = self.cfg.condition_type
-            self.log.info(
-                "GPUReady changed", condition=ctype, status=v.status.value, reason=v.reason.value, message=v.message
-            )
-            self.events.record(
-                v.reason.value,
-                f"{ctype} {prev or 'unset'} -> {v.status.value}: {v.message}",
-                "",
-                "Normal" if v.status is Status.TRUE else "Warning",
-                "StatusChanged",
-            )
-
-    def _first_write_held(self, v: Verdict, now: float) -> bool:
-        """start_spread: a fleet that restarts together (a roll-out, a reboot) does not write together. The first
-        write waits for its jittered moment unless it changes the status the Node shows (or shows none)."""
-        if self.condition.sent is not None or now >= self.first_write_at:
-            return False
-        return self.condition.sent_status == v.status.value
-
-    def _reconcile_taints(
-        self, v: Verdict, latched_fatal: bool, gate_open: bool, node: tuple[dict[str, Any], float] | None
-    ) -> None:
-        """The taint is planned from the freshest Node copy (the poll's read, or the reporter's own newer one), so
-        a steady state costs no request. It is removed only once the Node shows the condition True (what the
-        scheduler lets in, observers can see why); it is added as soon as the verdict asks, whether or not the
-        condition write went through."""
-        if node is None or not self.taints.due():
-            return
-        if v.status is Status.TRUE and self.condition.sent_status != Status.TRUE.value:
-            return
-        try:
-            plan: TaintPlan = self.taints.reconcile(v, latched_fatal, gate_open, self.taints.freshest(*node))
-        except ApiError as e:
-            self.taint_health.failed(e, "write taint")
-            return
-        if plan:
-            self.taint_health.ok("write taint")
-            self.log.info(
-                "taint changed", key=self.cfg.taint_key, added=list(plan.add), removed=list(plan.remove),
-                why=plan.why, mode=self.cfg.taints,
-            )  # fmt: skip
+    ) -> Snapshot:
+        """Runs every step on one snapshot; returns the snapshot the last step handed on."""
+        snap = Snapshot(
+            v, latched, latched_fatal, gate_open, gpus, tuple(fresh), inventory, allocation, node,
+            self.brake.brake_engaged(),
+        )  # fmt: skip
+        for s in self.steps:
+            try:
+                out = s.run(snap)
+            except Exception as e:  # a bug in one step must not keep the others (the condition) from publishing
+                self.failures += 1
+                self.log.exception("publish step failed", step=s.name, error=str(e))
+                continue
+            snap = replace(out, verdict=with_note(out.verdict, out.note), note="") if out.note else out
+        return snap

@@ -2,7 +2,8 @@
 
 Each poll (or sooner, when the kernel-log watcher or the Node watch wakes it) the loop thread reads the own Node
 (node_facts.OwnNode), runs the probes (checks.py), asks the standing (node_facts.Standing: latches, holds,
-clears, the RecoveryGate) for the verdict and hands it to the publisher (publisher.py: the publish order). The
+clears, the RecoveryGate) for the verdict and hands it to the publisher (publisher.py: the loop over the
+act/steps.py STEPS, in the publish order). The
 kernel-log watcher, the Event publisher, the fencing worker and the watches run on their own threads; the main
 thread only waits for SIGTERM/SIGINT."""
 
@@ -15,7 +16,7 @@ import threading
 from typing import Any
 
 from agent import config as config_mod
-from agent.act import recovery
+from agent.act.recovery import actor as recovery
 from agent.checks import ChecksThread, CheckSuite, CycleStats
 from agent.clock import SYSTEM, Clock
 from agent.config import Config, ConfigError
@@ -74,17 +75,15 @@ class Agent:
             parser, self.state, m, rate=self.suite.xid_rate, clock=clock.mono, links=cfg.infiniband
         )
         self.kmsg = KmsgWatcher(KmsgSource(cfg.kmsg, cfg.kmsg_trust_user), ingest, m, self.wake.set, cfg.poll_interval)
-        self.publisher = Publisher(cfg, self.api, m, clock, self.log, self.rng, self.wake.set)
-        self.standing = Standing(cfg, self.state, clock, self.log, self.publisher.record)
         self.own = OwnNode(self.api, cfg, clock, self.log, on_change=self._node_changed)
-        # the brake admits by rule a node its controller does not count (act/brake.py): it needs the Node's labels
-        self.publisher.brake.node_labels = lambda: (
-            dict((self.own.last[0].get("metadata") or {}).get("labels") or {}) if self.own.last else None
-        )
+        self.publisher = Publisher(
+            cfg, self.api, m, clock, self.log, self.rng, self.wake.set, node_labels=self._node_labels
+        )  # the publish/act steps (act/steps.py)
+        self.standing = Standing(cfg, self.state, clock, self.log, self.publisher.record)
         self.recovery = recovery.build(
             cfg, self.api, self.state, smi=self.suite.smi, kmsg_seq=lambda: self.kmsg.source.last_seq,
             on_event=self.publisher.record, registry=m.registry, log=self.log, wake=self.wake.set,
-            brake=self.publisher.brake.brake_engaged,  # the fleet brake holds its evictions and resets
+            brake=self.publisher.brake_engaged,  # the fleet brake holds its evictions and resets
             nvml=self.suite.probe(Check.NVML),  # its session is shut down while a reset runs
         )  # fmt: skip  # per-GPU recovery (docs/recovery.md); None when off
         if cfg.node_watch and (cfg.dra_counting or cfg.fencing):  # slices change rarely: twice the Node's watch
@@ -175,8 +174,12 @@ class Agent:
         self.metrics.last_cycle.set(self.clock.wall())
 
     def _adopt(self, existing: Any, node: dict[str, Any]) -> None:
-        self.condition.adopt(existing)
-        self.publisher.events.reporter.node_uid = (node.get("metadata") or {}).get("uid")
+        self.publisher.adopt(existing, node)
+
+    def _node_labels(self) -> dict[str, str] | None:
+        """The own Node's labels as last read (None: not yet): the brake admits by rule a node its controller
+        does not count (act/brake.py)."""
+        return dict((self.own.last[0].get("metadata") or {}).get("labels") or {}) if self.own.last else None
 
     def evaluate(self) -> Verdict:
         assert self.obs is not None

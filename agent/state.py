@@ -24,9 +24,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from agent.act.recovery.ladder import STEPS, GpuRecovery, Step
 from agent.logs import get_logger
 from agent.model import LatchedFault, PciAddress, XidEvent
-from agent.recovery import STEPS, GpuRecovery, Step
 from agent.settings import read_text_file
 
 STATE_VERSION = 1
@@ -72,7 +72,7 @@ class LatchState:
         self.cleared_before: float = 0.0
         self.cleared_seq: int = -1
         self.rejected_clears: set[str] = set()
-        # Per-GPU recovery (agent/recovery.py): the ladders in progress (dropped with the boot's faults), the resets
+        # Per-GPU recovery (act/recovery/ladder.py): the ladders in progress (dropped with the boot's faults), resets
         # of the retry budget (kept across boots), and how far the kernel log had been read when a GPU's own latch
         # was cleared by a proven reset (a replay of the ring buffer does not latch it again).
         self.recovery: dict[str, GpuRecovery] = {}

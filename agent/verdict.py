@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
+from agent.act.recovery.ladder import REFUSED_PREFIX, Remedy, Step, gpu_remedy, nvml_action_of
 from agent.model import (
     FAULT_REASONS,
     Check,
@@ -37,21 +38,12 @@ from agent.model import (
     Severity,
     Status,
     Verdict,
+    gpu_label,
 )
-from agent.recovery import REFUSED_PREFIX, Remedy, Step, gpu_remedy, nvml_action_of
 
 MESSAGE_LIMIT = 1000  # bytes; the condition message stays under 1 KiB
 # The reasons of a latched fault: a FatalXid, and a GPU whose recovery gave up (its fault stays latched).
 LATCHED_REASONS = frozenset({Reason.FATAL_XID, Reason.GPU_RECOVERY_FAILED, Reason.GPU_RESET_REFUSED})
-
-
-def gpu_label(addr: PciAddress | None, gpus: dict[PciAddress, GpuIdentity]) -> str:
-    if addr is None:
-        return "node"
-    ident = gpus.get(addr)
-    if ident is not None and ident.index is not None:
-        return f"GPU {ident.index} ({addr.nvml})"
-    return f"GPU {addr.nvml}"
 
 
 def count_mismatches(c: Counts, expected: int | None) -> list[str]:
@@ -97,7 +89,7 @@ def decide(
     preflight_passed: bool = True,
     recovery: Mapping[PciAddress, tuple[str, str]] | None = None,
 ) -> Verdict:
-    """recovery: each GPU's recovery ladder (agent/recovery.py) as (step, why); an escalated one makes the node
+    """recovery: each GPU's recovery ladder (act/recovery/ladder.py) as (step, why); an escalated one makes the node
     GPURecoveryFailed (its fault stays latched and fenced)."""
     gpus = obs.gpus
     recovery = recovery or {}

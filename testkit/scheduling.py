@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.act.taints import NO_SCHEDULE, TAINT_KEY
+from agent.act.taints.plan import NO_SCHEDULE, TAINT_KEY
 from agent.kube.client import KubeApi
 from testkit.cluster import create_node, drop_not_ready_taint
 from testkit.controlplane import ControlPlane

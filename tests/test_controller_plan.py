@@ -9,7 +9,7 @@ import pytest
 
 from agent.act.brake import Brake, engaged_for, object_ref
 from agent.act.preflight_mark import NEEDS_LABEL, needs_mark
-from agent.act.taints import NO_EXECUTE, NO_SCHEDULE, TaintMode, TaintSettings, plan_taints
+from agent.act.taints.plan import NO_EXECUTE, NO_SCHEDULE, TaintMode, TaintSettings, plan_taints
 from agent.controller.plan import (
     LATCHED_REASONS,
     JobView,

@@ -1,5 +1,5 @@
 """Fence one GPU, keep seven serving: DRA-aware GPU counting (agent/probes/dra.py) and per-GPU DeviceTaintRules
-(agent/act/fencing.py).
+(agent/act/fencing/).
 
 Plain-data tests first (parsing, counting, the device-plugin check deferring to DRA, the fencing view and plan),
 then tests on a real kube-apiserver 1.37 with the REAL kube-scheduler (allocating ResourceClaims) and the REAL
@@ -25,7 +25,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent import config
-from agent.act.fencing import (
+from agent.act.fencing.plan import (
     GPU_ANNOTATION,
     LONG_NODE,
     MANAGED_BY,
@@ -34,9 +34,6 @@ from agent.act.fencing import (
     TAINT_KEY,
     ExistingRule,
     FenceEffect,
-    FenceMetrics,
-    FenceReporter,
-    FenceWorker,
     FencingSettings,
     fence_view,
     node_label,
@@ -45,6 +42,7 @@ from agent.act.fencing import (
     rule_prefix,
     slot_of,
 )
+from agent.act.fencing.reporter import FenceMetrics, FenceReporter, FenceWorker
 from agent.kernel_log.xid import KernelLogParser
 from agent.kube.client import ApiError, KubeApi
 from agent.model import (
@@ -429,7 +427,7 @@ def test_a_faulty_gpu_in_no_slice_is_node_level_only_and_the_cap_holds():
 
 
 def test_metrics_and_summary_follow_the_result():
-    from agent.act.fencing import FencedDevice, FenceResult
+    from agent.act.fencing.plan import FencedDevice, FenceResult
 
     reg = CollectorRegistry()
     m = FenceMetrics(reg)

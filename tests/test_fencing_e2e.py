@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.act.fencing import MANAGED_BY, MANAGED_BY_LABEL, NODE_LABEL, TAINT_KEY
+from agent.act.fencing.plan import MANAGED_BY, MANAGED_BY_LABEL, NODE_LABEL, TAINT_KEY
 from agent.kube.client import ApiError, KubeApi
 from testkit.chart import Release, apply_release
 from testkit.cluster import bound_token, condition, ensure_namespace

@@ -1,4 +1,4 @@
-"""MIG layout health (agent/mig_config.py): mig-manager's plan and state labels against the MIG instances that exist
+"""MIG layout health (agent/mig_layout.py): mig-manager's plan and state labels against the MIG instances that exist
 and the devices the plugin advertises. Plain data; the label names and states are the GPU Operator mig-manager's
 (NVIDIA/mig-parted: `nvidia.com/mig.config`, `nvidia.com/mig.config.state` = pending | success | failed)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.mig_config import (
+from agent.mig_layout import (
     MIG_CONFIG_LABEL,
     MIG_STATE_LABEL,
     compare_plan,

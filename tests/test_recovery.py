@@ -7,9 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from agent.kernel_log.xid import XidClassifier, load_catalog
-from agent.model import Check, Finding, GpuIdentity, LatchedFault, Observation, PciAddress, Reason, XidEvent
-from agent.recovery import (
+from agent.act.recovery.ladder import (
     Do,
     Policy,
     Remedy,
@@ -23,6 +21,8 @@ from agent.recovery import (
     remedy,
     start,
 )
+from agent.kernel_log.xid import XidClassifier, load_catalog
+from agent.model import Check, Finding, GpuIdentity, LatchedFault, Observation, PciAddress, Reason, XidEvent
 from agent.state import LatchState
 from agent.verdict import decide as verdict
 
@@ -264,7 +264,7 @@ def test_a_gpurecoveryfailed_condition_found_at_start_is_held_like_a_latched_fau
 
 
 def test_the_proof_reads_the_hard_checks_of_that_gpu_only():
-    from agent.act.recovery import hard_check_problem
+    from agent.act.recovery.actor import hard_check_problem
 
     other = PciAddress(0, 0x3B, 0)
     gpus = {A: GpuIdentity(A, 4), other: GpuIdentity(other, 1)}

@@ -12,11 +12,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from agent.act.recovery import RecoveryActor, RecoveryMetrics, RecoverySettings, Submission, find_holders
+from agent.act.recovery.actor import RecoveryActor, RecoveryMetrics, RecoverySettings, Submission, find_holders
+from agent.act.recovery.ladder import Policy, Step, start
 from agent.logs import get_logger
 from agent.model import GpuIdentity, Observation, PciAddress, XidEvent
 from agent.proc import Run
-from agent.recovery import Policy, Step, start
 from agent.state import LatchState
 
 GPU = "00000000:BB:00.0"
@@ -141,7 +141,7 @@ def test_holders_are_found_through_proc_and_never_signalled(tmp_path):
 
 
 def test_a_reset_gpu_settles_only_with_its_fabric_trained_and_nothing_pending():
-    from agent.act.recovery import settle_problem
+    from agent.act.recovery.actor import settle_problem
     from agent.model import Check, Finding, Reason
 
     def sub_with(findings: list[Finding], fabric: dict[PciAddress, tuple[str, str]] | None) -> Submission:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from agent.recovery import (
+from agent.act.recovery.ladder import (
     CHARGED,
     REFUSED_PREFIX,
     Do,

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from agent.act.fencing import (
+from agent.act.fencing.plan import (
     GPU_ANNOTATION,
     LONG_NODE,
     MANAGED_BY,
@@ -37,11 +37,11 @@ from agent.act.fencing import (
     NODE_LABEL,
     DesiredRule,
     FenceEffect,
-    FenceReporter,
     FencingSettings,
     node_label,
     rule_prefix,
 )
+from agent.act.fencing.reporter import FenceReporter
 from agent.kube.client import MERGE_PATCH, STRATEGIC_MERGE, ApiError, KubeApi
 from agent.model import GpuStatus, PciAddress, Reason, Status, Verdict
 from agent.probes.dra import parse_slices

@@ -228,10 +228,10 @@ def test_the_agents_own_code_restarts_only_the_plugin_pod_on_its_node(rec_cluste
     DaemonSet's pod there; the plugin's pod on the other node and a stray pod stay."""
     from prometheus_client import CollectorRegistry
 
-    from agent.act.recovery import RecoveryActor, RecoveryMetrics, RecoverySettings
+    from agent.act.recovery.actor import RecoveryActor, RecoveryMetrics, RecoverySettings
+    from agent.act.recovery.ladder import Policy
     from agent.model import PciAddress
     from agent.proc import SupervisedRunner
-    from agent.recovery import Policy
     from agent.state import LatchState
 
     c = rec_cluster
@@ -328,10 +328,10 @@ def test_release_holders_lets_the_token_delete_only_those_daemonsets_pods_on_its
     not own; without the value no right at all. The agent's own code deletes exactly the one on its node."""
     from prometheus_client import CollectorRegistry
 
-    from agent.act.recovery import RecoveryActor, RecoveryMetrics, RecoverySettings
+    from agent.act.recovery.actor import RecoveryActor, RecoveryMetrics, RecoverySettings
+    from agent.act.recovery.ladder import Policy
     from agent.model import PciAddress
     from agent.proc import SupervisedRunner
-    from agent.recovery import Policy
     from agent.state import LatchState
 
     c = rec_cluster

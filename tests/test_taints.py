@@ -1,4 +1,4 @@
-"""gpu-ready's taint on its own Node (agent/act/taints.py): the pure planner on plain data, and the reporter against a
+"""gpu-ready's taint on its own Node (agent/act/taints/): the pure planner on plain data, and the reporter against a
 real kube-apiserver with the REAL kube-scheduler (binding) and kube-controller-manager (NoExecute taint
 eviction). No kubelet runs: binding and taint eviction are control-plane behaviour; pod status is set by
 the test where it matters."""
@@ -19,25 +19,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from agent.act.taints import (
+from agent.act.taints.plan import (
     EFFECTS,
     NO_EXECUTE,
     NO_SCHEDULE,
     TAINT_KEY,
-    TaintMetrics,
     TaintMode,
     TaintPlan,
-    TaintReporter,
     TaintSettings,
     apply_plan,
     own_effects,
     plan_taints,
     taint_patch,
 )
+from agent.act.taints.reporter import TaintReporter
 from agent.kube.client import ApiError, KubeApi
 from agent.model import LatchedFault, Observation, PciAddress, Reason, Status, Verdict
 from agent.report.condition import ConditionReporter
 from agent.report.events import EventReporter
+from agent.report.metrics import TaintMetrics
 from agent.settings import qualified_name
 from agent.verdict import decide
 from testkit.cluster import AGENT_RULES, service_account_client

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.act.taints import NO_EXECUTE, NO_SCHEDULE, TAINT_KEY
+from agent.act.taints.plan import NO_EXECUTE, NO_SCHEDULE, TAINT_KEY
 from agent.kube.client import ApiError, KubeApi
 from testkit.chart import Release, apply_release
 from testkit.cluster import condition

@@ -1,9 +1,9 @@
 """The MIG layout mig-manager was asked for (the Node's nvidia.com/mig.config labels) against the MIG instances
-the GPU sources listed this cycle; the judgement itself is pure (agent/mig_config.py)."""
+the GPU sources listed this cycle; the judgement itself is pure (agent/mig_layout.py)."""
 
 from __future__ import annotations
 
-from agent.mig_config import judge_mig_config, node_mig_inputs
+from agent.mig_layout import judge_mig_config, node_mig_inputs
 from agent.model import Check, ProbeResult
 from agent.probes.base import ProbeContext
 

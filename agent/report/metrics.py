@@ -60,7 +60,7 @@ class TaintMetrics:
             self.taint.labels(effect).set(1 if effect in ours else 0)
 
     def changed(self, plan: Any) -> None:
-        """`plan`: an act.taints.TaintPlan (the entries added and removed)."""
+        """`plan`: an act/taints/plan.py TaintPlan (the entries added and removed)."""
         for effect in plan.add:
             self.changes.labels("added", effect).inc()
         for effect in plan.remove:

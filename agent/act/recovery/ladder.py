@@ -1,7 +1,7 @@
 """Per-GPU recovery, pure: which remedy a fault calls for, the ladder's next step, and the retry budget.
 
 No I/O and no clock reads here (time is an argument); the side effects (evicting, resetting, proving, lifting the
-fence, restarting the device plugin's pod) are agent/act/recovery.py's, and the state lives in the state file
+fence, restarting the device plugin's pod) are agent/act/recovery/actor.py's, and the state lives in the state file
 (agent/state.py). docs/recovery.md describes the ladder, the budget and every setting.
 
 - `remedy(action, nvml_action)`: "reset" (the catalog says RESET_GPU, or NVML's GPU recovery action says GPU reset /

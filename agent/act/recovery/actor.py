@@ -1,4 +1,4 @@
-"""Per-GPU recovery's side effects (docs/recovery.md): the ladder's decisions are agent/recovery.py's (pure); here
+"""Per-GPU recovery's side effects (docs/recovery.md): the ladder's decisions are ladder.py's (pure); here
 they are carried out, on a thread of their own so that a drain, a reset or a proof never delays a check cycle.
 
 After each check cycle the loop submits what it saw (the observation, the allocation map, the kernel log's read
@@ -34,14 +34,7 @@ from urllib.parse import quote
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from agent.act.taints import own_effects, taints_of
-from agent.allocation import AllocationMap
-from agent.kube.client import ApiError, KubeApi
-from agent.model import Check, GpuIdentity, LatchedFault, Observation, PciAddress, Severity, XidEvent
-from agent.probes import nvml_pause
-from agent.probes.device_nodes import read_minor_numbers
-from agent.proc import Run, SupervisedRunner
-from agent.recovery import (
+from agent.act.recovery.ladder import (
     ACTIVE,
     CHARGED,
     STEPS,
@@ -61,6 +54,13 @@ from agent.recovery import (
     prune,
     start,
 )
+from agent.act.taints.plan import own_effects, taints_of
+from agent.allocation import AllocationMap
+from agent.kube.client import ApiError, KubeApi
+from agent.model import Check, GpuIdentity, LatchedFault, Observation, PciAddress, Severity, XidEvent
+from agent.probes import nvml_pause
+from agent.probes.device_nodes import read_minor_numbers
+from agent.proc import Run, SupervisedRunner
 from agent.settings import (
     DAY,
     RUN_ONLY,
