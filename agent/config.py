@@ -23,6 +23,7 @@ from agent import mig_config
 from agent.act import brake, fencing, preflight_mark, recovery, taints
 from agent.kernel_log import rate, xid
 from agent.kernel_log import watcher as kmsg_watcher
+from agent.names import CONDITION_TYPE
 from agent.probes import (
     clocks,
     dcgm,
@@ -150,7 +151,7 @@ CORE_SETTINGS: tuple[Setting, ...] = (
     Setting(
         "condition_type",
         own_condition_type,
-        "GPUReady",
+        CONDITION_TYPE,
         "Node condition type the agent writes (e.g. nvidia.com/GPUReady); must equal the chart's conditionType",
         commands=WITH_NODE,
     ),

@@ -38,6 +38,7 @@ from agent.model import (
     Status,
     Verdict,
 )
+from agent.names import PREFLIGHT_PASSED
 from agent.recovery import REFUSED_PREFIX, Remedy, Step, gpu_remedy, nvml_action_of
 
 MESSAGE_LIMIT = 1000  # bytes; the condition message stays under 1 KiB
@@ -261,7 +262,7 @@ def node_facts(
     if node is None:
         return replace(previous, preflight_required=required)
     labels = (node.get("metadata") or {}).get("labels") or {}
-    passed = isinstance(labels, dict) and labels.get(label) == "passed"
+    passed = isinstance(labels, dict) and labels.get(label) == PREFLIGHT_PASSED
     if passed and needs_label and labels.get(needs_label) == "true":
         passed = False
     return NodeFacts(required, passed)

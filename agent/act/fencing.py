@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.kube.client import ApiError, KubeApi
 from agent.model import Check, PciAddress, Reason, Status, Verdict
+from agent.names import RULE_MANAGED_LABEL, RULE_MANAGED_VALUE
 from agent.probes.dra import DEFAULT_DRIVER, DraGpu, DraInventory, match_gpus
 from agent.settings import (
     DAY,
@@ -55,8 +56,8 @@ from agent.settings import (
 )
 
 TAINT_KEY = "gpu-ready.io/unhealthy"
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-MANAGED_BY = "gpu-ready"
+MANAGED_BY_LABEL = RULE_MANAGED_LABEL
+MANAGED_BY = RULE_MANAGED_VALUE
 NODE_LABEL = "gpu-ready.io/node"
 GPU_ANNOTATION = "gpu-ready.io/gpu"
 NAME_PREFIX = "gpu-ready."

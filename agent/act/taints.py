@@ -29,18 +29,18 @@ import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
 from urllib.parse import quote
 
+from agent.clock import rfc3339
 from agent.kube.backoff import Backoff
 from agent.kube.client import ApiError, KubeApi
 from agent.model import TAINT_EFFECTS, Status, Verdict
+from agent.names import CONDITION_TYPE, TAINT_KEY
 from agent.report.metrics import TaintMetrics
 from agent.settings import RUN_ONLY, WITH_NODE, Setting, choice, own_taint_key, to_bool
 
-TAINT_KEY = "gpu-ready.io/gpu-not-ready"
 NO_SCHEDULE = "NoSchedule"
 PREFER_NO_SCHEDULE = "PreferNoSchedule"
 NO_EXECUTE = "NoExecute"
@@ -115,7 +115,7 @@ def plan_taints(
     current_taints: Sequence[dict[str, Any]],
     settings: TaintSettings,
     startup_gate_open: bool,
-    ctype: str = "GPUReady",
+    ctype: str = CONDITION_TYPE,
     brake: bool = False,
 ) -> TaintPlan:
     """What gpu-ready's taint should become. Pure: no I/O, no clock.
@@ -147,10 +147,6 @@ def plan_taints(
     if brake and settings.no_execute_on_fatal and latched_fatal and NO_EXECUTE not in want:
         why += "; fleet brake: no NoExecute"
     return TaintPlan(add, remove, why)
-
-
-def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def apply_plan(
@@ -194,7 +190,7 @@ class TaintReporter:
         attempts: int = 3,
         mono: Callable[[], float] = time.monotonic,
         retry_cap_s: float = 30.0,
-        ctype: str = "GPUReady",
+        ctype: str = CONDITION_TYPE,
     ) -> None:
         self.api = api
         self.node = node
@@ -336,7 +332,7 @@ SETTINGS = (
     Setting(
         "taint_key",
         own_taint_key,
-        "gpu-ready.io/gpu-not-ready",
+        TAINT_KEY,
         "key of gpu-ready's taint (= chart taints.key)",
         commands=WITH_NODE,
     ),
