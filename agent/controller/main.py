@@ -247,7 +247,7 @@ class Controller:
                     next_resync = 0.0
                 elif was and not leading:
                     self.log.warning("lost the Lease: standing by")
-            synced = self.nodes.synced.is_set() and self.jobs.synced.is_set()
+            synced = self.nodes.known and self.jobs.known
             if self.elector.leading and synced and (self.wake.is_set() or time.monotonic() >= next_resync):
                 self.wake.clear()
                 try:
