@@ -246,11 +246,11 @@ class ListWatch:
         with self._lock:
             old, self._items = self._items, new
             self._live = True
-        self._synced.set()
-        for key in old.keys() | new.keys():
+        for key in sorted(old.keys() | new.keys()):
             if old.get(key) is not new.get(key):
                 self._notify(old.get(key), new.get(key))
         self._replaced()
+        self._synced.set()  # after the callbacks: whoever waits for it sees what they did
 
     def _list(self) -> None:
         """LIST from the apiserver's cache (not older than the version held after a 410 Gone, else any), then the
@@ -348,6 +348,7 @@ class ListWatch:
                     return
                 on_event(ev)
         except LineTooLong as e:
+            self._rv = ""  # resuming would replay the event: start over, from the current state
             raise ApiError(0, str(e)) from e
         finally:
             with self._lock:
