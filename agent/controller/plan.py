@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.names import CORDONED_BY_ANNOTATION, format_brake
+from agent.names import CORDONED_BY_ANNOTATION, PREFLIGHT_PASSED, format_brake
 
 NODE_LABEL = "gpu-ready.io/preflight-node"  # on the controller's Jobs: the node (or its hash when too long)
 NODE_ANNOTATION = "gpu-ready.io/preflight-node"  # the node's full name
@@ -201,7 +201,7 @@ class Plan:
 
 def wants_preflight(v: NodeView) -> bool:
     """A node that needs a run: labelled needs-preflight, or (startup taint asked for) new and not yet passed."""
-    return v.needs or (v.startup_tainted and v.preflight != "passed")
+    return v.needs or (v.startup_tainted and v.preflight != PREFLIGHT_PASSED)
 
 
 def job_name(prefix: str, node: str, attempt: int) -> str:

@@ -109,9 +109,10 @@ class ListWatch:
     """A cache of the objects at `path` that match the selectors, kept by one watch thread: `start()`, `stop()`,
     `wait_synced()`, `live`, `known`, `snapshot()`. The store maps `key_of(obj)` to `transform(obj)` (None: not kept).
 
-    Subclasses adapt it through four hooks, all called on the watch thread: `_notify(old, new)` for each stored
+    Subclasses adapt it through five hooks, all called on the watch thread: `_notify(old, new)` for each stored
     value that changed (outside the lock), `_replaced()` after a whole new state was stored (a LIST, the end of a
-    streaming list), `_opened(how)` as a watch is taken (lock held), `_absent(e)` for an error that is an answer."""
+    streaming list), `_opened(how)` as a watch is taken (lock held), `_absent(e)` for an error that is an answer,
+    `_older(held, obj)` for an event older than what is held (a lagging apiserver's cache: ignored)."""
 
     what = "watch"  # how the log names it
     stale = "keeping the last state"  # what the caller does while it is not live (for the log)
@@ -277,8 +278,7 @@ class ListWatch:
                 if isinstance(obj, dict) and (meta := obj.get("metadata")) and meta.get("name"):
                     self._fit(new, key_of(obj), self.transform(obj))
         self._rv = rv_of(lst)
-        self._replace(new)
-        self._ok()
+        self._replace(new)  # restored once the watch that follows delivers (a 410 right after backs off)
 
     def _watch(self) -> None:
         timeout = max(1, int(self.watch_timeout_s * (1.0 + self.rng.random())))
@@ -337,6 +337,8 @@ class ListWatch:
                 return
             self._stream = stream
             self._pending = {} if how == "stream" else None
+            if how == "stream":
+                self._overflow = False  # a new initial state: nothing missed yet
             self._opened(how)
         self.stats.watches += 1
         opened = self.mono()
