@@ -23,6 +23,7 @@ from agent.kernel_log.xid import KernelLogParser, XidClassifier
 from agent.kube.client import ApiError, KubeApi, connect
 from agent.logs import setup_logging
 from agent.model import Check, LatchedFault, Observation, Status, Verdict, XidEvent
+from agent.names import CONDITION_TYPE, NEEDS_PREFLIGHT_LABEL, PREFLIGHT_LABEL, TAINT_KEY
 from agent.probes.infiniband import RailReport
 from agent.probes.nvml import NvmlProbe, NvmlSnapshot, nvlink_json
 from agent.report.blast_radius import gpus_json, render_gpus
@@ -339,11 +340,11 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 def add_uninstall_arguments(u: argparse.ArgumentParser) -> None:
     u.add_argument("--namespace", required=True, help="the release namespace (the brake, the Lease, the Jobs)")
-    u.add_argument("--condition-type", default="GPUReady", help="the agent's node condition (default: %(default)s)")
-    u.add_argument("--taint-key", default="gpu-ready.io/gpu-not-ready", help="the agent's taint (default: %(default)s)")
-    u.add_argument("--preflight-label", default="preflight", help="preflight's result label (default: %(default)s)")
+    u.add_argument("--condition-type", default=CONDITION_TYPE, help="the agent's node condition (default: %(default)s)")
+    u.add_argument("--taint-key", default=TAINT_KEY, help="the agent's taint (default: %(default)s)")
+    u.add_argument("--preflight-label", default=PREFLIGHT_LABEL, help="preflight's result label (default: %(default)s)")
     u.add_argument(
-        "--needs-label", default="gpu-ready.io/needs-preflight", help="the needs-preflight label (default: %(default)s)"
+        "--needs-label", default=NEEDS_PREFLIGHT_LABEL, help="the needs-preflight label (default: %(default)s)"
     )
     u.add_argument("--brake-name", default="", help="the brake ConfigMap to delete (default: none)")
     u.add_argument("--lease-name", default="", help="the controller's Lease to delete (default: none)")

@@ -26,6 +26,7 @@ from agent.act.recovery import actor as recovery
 from agent.act.taints import plan as taints
 from agent.kernel_log import rate, xid
 from agent.kernel_log import watcher as kmsg_watcher
+from agent.names import CONDITION_TYPE
 from agent.probes import (
     clocks,
     dcgm,
@@ -153,7 +154,7 @@ CORE_SETTINGS: tuple[Setting, ...] = (
     Setting(
         "condition_type",
         own_condition_type,
-        "GPUReady",
+        CONDITION_TYPE,
         "Node condition type the agent writes (e.g. nvidia.com/GPUReady); must equal the chart's conditionType",
         commands=WITH_NODE,
     ),

@@ -21,11 +21,12 @@ from agent.kube.backoff import ApiHealth
 from agent.kube.client import ApiError, KubeApi
 from agent.kube.node_cache import NodeCache
 from agent.model import Observation, PciAddress, Verdict
+from agent.names import CLEAR_BEFORE_ANNOTATION
 from agent.report.condition import find_condition
 from agent.state import LatchState, read_boot_id, read_boot_time
 from agent.verdict import GateState, HeldCondition, NodeFacts, RecoveryGate, adopt, decide_clear, node_facts
 
-CLEAR_ANNOTATION = "gpu-ready.io/clear-before"
+CLEAR_ANNOTATION = CLEAR_BEFORE_ANNOTATION
 STALE_NODE_S = 300.0  # judge the plugin on the last Node read for this long while the API is down
 
 Record = Callable[[str, str, str, str, str], None]  # (reason, note, key, type, action): an Event

@@ -40,6 +40,7 @@ from agent.model import (
     Verdict,
     gpu_label,
 )
+from agent.names import PREFLIGHT_PASSED
 
 MESSAGE_LIMIT = 1000  # bytes; the condition message stays under 1 KiB
 # The reasons of a latched fault: a FatalXid, and a GPU whose recovery gave up (its fault stays latched).
@@ -253,7 +254,7 @@ def node_facts(
     if node is None:
         return replace(previous, preflight_required=required)
     labels = (node.get("metadata") or {}).get("labels") or {}
-    passed = isinstance(labels, dict) and labels.get(label) == "passed"
+    passed = isinstance(labels, dict) and labels.get(label) == PREFLIGHT_PASSED
     if passed and needs_label and labels.get(needs_label) == "true":
         passed = False
     return NodeFacts(required, passed)

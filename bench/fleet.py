@@ -51,11 +51,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.kube.backoff import first_write_delay, heartbeat_delay
+from agent.kube.cache import WATCH_TIMEOUT_S
 from agent.kube.client import ApiError, KubeApi
 from agent.kube.node_cache import NodeCache
 from agent.kube.slice_cache import SliceCache
 from agent.kube.slices import SliceRead, read_node_slices
-from agent.kube.watch import WATCH_TIMEOUT_S
 from agent.logs import setup_logging
 from agent.model import Reason, Status, Verdict
 from agent.report.condition import ConditionReporter

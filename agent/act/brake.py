@@ -28,21 +28,16 @@ from typing import Any
 
 from agent.kube.client import KubeApi
 from agent.kube.object_watch import ObjectWatch
+from agent.names import BRAKE_SELECTOR, fleet_over_budget, parse_admitted
 from agent.settings import RUN_ONLY, Setting, optional, to_str
 
 _REF = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
-MAX_ADMITTED_BYTES = 64 * 1024  # the controller admits at most maxUnavailable names: far below this
 
 
 def admitted_nodes(obj: dict[str, Any] | None) -> frozenset[str] | None:
     """The nodes the brake ConfigMap admits to a disruptive action; None when it is malformed."""
-    data = (obj or {}).get("data")
-    if not isinstance(data, dict):
-        return None
-    raw = data.get("admitted")
-    if not isinstance(raw, str) or len(raw) > MAX_ADMITTED_BYTES:
-        return None
-    return frozenset(n for n in (x.strip() for x in raw.split(",")) if n)
+    admitted = parse_admitted((obj or {}).get("data"))
+    return None if admitted is None else frozenset(admitted)
 
 
 _SEL_KEY = re.compile(
@@ -87,12 +82,12 @@ def engaged_for(obj: dict[str, Any] | None, node: str, labels: dict[str, str] | 
         return False
     data: dict[str, Any] = obj.get("data") or {}  # a dict: admitted_nodes read it
     # a node the selector does not match is not one of the controller's GPU nodes: it never counts or admits it
-    return labels is None or selector_matches(data.get("selector"), labels) is not False
+    return labels is None or selector_matches(data.get(BRAKE_SELECTOR), labels) is not False
 
 
 def fleet_engaged(obj: dict[str, Any] | None) -> bool:
     """Whether the controller says the fleet is over its budget (the alert's condition; informational here)."""
-    return obj is not None and ((obj.get("data") or {}).get("engaged") == "true")
+    return obj is not None and fleet_over_budget(obj.get("data"))
 
 
 class Brake:

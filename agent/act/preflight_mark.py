@@ -20,9 +20,10 @@ from urllib.parse import quote
 
 from agent.kube.backoff import Backoff
 from agent.kube.client import ApiError, KubeApi
+from agent.names import NEEDS_PREFLIGHT_LABEL
 from agent.settings import RUN_ONLY, Setting, optional, own_label_key, to_bool
 
-NEEDS_LABEL = "gpu-ready.io/needs-preflight"
+NEEDS_LABEL = NEEDS_PREFLIGHT_LABEL
 MERGE_PATCH = "application/merge-patch+json"
 
 

@@ -26,23 +26,37 @@ from typing import Any
 from urllib.parse import quote
 
 from agent.kube.client import ApiError, KubeApi
+from agent.names import (
+    CLEAR_BEFORE_ANNOTATION,
+    CONDITION_TYPE,
+    CORDONED_BY_ANNOTATION,
+    MANAGED_LABEL,
+    MANAGED_VALUE,
+    NEEDS_PREFLIGHT_LABEL,
+    PREFLIGHT_LABEL,
+    PREFLIGHT_REPORT_ANNOTATION,
+    PREFLIGHT_TIME_ANNOTATION,
+    RULE_MANAGED_LABEL,
+    RULE_MANAGED_VALUE,
+    TAINT_KEY,
+)
 
 MERGE = "application/merge-patch+json"
-CORDONED_BY = "gpu-ready.io/preflight-cordoned"
-CLEAR_BEFORE = "gpu-ready.io/clear-before"
-HISTORY_ANNOTATIONS = ("gpu-ready.io/preflight-time", "gpu-ready.io/preflight-report")
-JOB_SELECTOR = "gpu-ready.io/managed-by=gpu-ready-controller"
-RULE_SELECTOR = "app.kubernetes.io/managed-by=gpu-ready"
+CORDONED_BY = CORDONED_BY_ANNOTATION
+CLEAR_BEFORE = CLEAR_BEFORE_ANNOTATION
+HISTORY_ANNOTATIONS = (PREFLIGHT_TIME_ANNOTATION, PREFLIGHT_REPORT_ANNOTATION)
+JOB_SELECTOR = f"{MANAGED_LABEL}={MANAGED_VALUE}"
+RULE_SELECTOR = f"{RULE_MANAGED_LABEL}={RULE_MANAGED_VALUE}"
 CONFLICT_RETRIES = 5
 
 
 @dataclass(frozen=True)
 class UninstallSettings:
     namespace: str
-    condition_type: str = "GPUReady"
-    taint_key: str = "gpu-ready.io/gpu-not-ready"
-    preflight_label: str = "preflight"
-    needs_label: str = "gpu-ready.io/needs-preflight"
+    condition_type: str = CONDITION_TYPE
+    taint_key: str = TAINT_KEY
+    preflight_label: str = PREFLIGHT_LABEL
+    needs_label: str = NEEDS_PREFLIGHT_LABEL
     brake_name: str = ""
     lease_name: str = ""
     pod_selector: str = ""  # the release's agent and controller pods, waited on until gone

@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
+from agent.clock import micro_time
 from agent.kube.client import ApiError, KubeApi
-
-
-def micro_time(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class LeaseElector:

@@ -25,11 +25,9 @@ import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 
 from agent.controller.informer import Informer
-from agent.controller.lease import LeaseElector, micro_time
+from agent.controller.lease import LeaseElector
 from agent.controller.plan import (
     ATTEMPT_LABEL,
-    MANAGED_LABEL,
-    MANAGED_VALUE,
     NODE_ANNOTATION,
     NODE_LABEL,
     BrakeState,
@@ -48,6 +46,19 @@ from agent.controller.plan import (
 from agent.kube.client import ApiError, KubeApi, connect
 from agent.kube.object_watch import ObjectWatch
 from agent.logs import get_logger, setup_logging
+from agent.names import (
+    BRAKE_ADMITTED,
+    BRAKE_ENGAGED,
+    BRAKE_SELECTOR,
+    CONDITION_TYPE,
+    MANAGED_LABEL,
+    MANAGED_VALUE,
+    NEEDS_PREFLIGHT_LABEL,
+    PREFLIGHT_LABEL,
+    TAINT_KEY,
+    parse_admitted,
+)
+from agent.report.events import EventReporter, PendingEvent, node_ref
 
 REPORTING_CONTROLLER = "gpu-ready-controller"
 MAX_TEMPLATE_BYTES = 256 * 1024
@@ -215,6 +226,8 @@ class Controller:
         self.brake_changes = 0
         self.brake_written_at = 0.0
         self.brake_due: float | None = None  # when a held-back decisive brake write is due (mono)
+        self.node_events = self._event_writer(args.event_namespace)  # about Nodes
+        self.lease_events = self._event_writer(ns)  # the brake's, about the controller's own Lease
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -234,7 +247,7 @@ class Controller:
                     next_resync = 0.0
                 elif was and not leading:
                     self.log.warning("lost the Lease: standing by")
-            synced = self.nodes.synced.is_set() and self.jobs.synced.is_set()
+            synced = self.nodes.known and self.jobs.known
             if self.elector.leading and synced and (self.wake.is_set() or time.monotonic() >= next_resync):
                 self.wake.clear()
                 try:
@@ -304,6 +317,7 @@ class Controller:
         self.m.waiting.set(len(plan.waiting) + len(plan.latched))
         self.m.gave_up.set(len(plan.gave_up))
         self.m.stuck.set(len(plan.stuck))
+        self._flush_events()  # what a transient failure kept
 
     def _brake(self, nodes: dict[str, NodeView]) -> bool:
         if not self.args.brake:
@@ -315,7 +329,7 @@ class Controller:
         self.m.brake.set(1 if st.engaged else 0)
         self.m.unavailable.set(len(st.unavailable))
         self.m.budget.set(st.budget)
-        data = {**st.data(), "selector": self.args.gpu_selector}
+        data = {**st.data(), BRAKE_SELECTOR: self.args.gpu_selector}
         tampered = self._brake_tampered()
         if tampered:
             self.brake_data = None  # write what was computed, now
@@ -325,7 +339,7 @@ class Controller:
         # Decisive changes are coalesced over BRAKE_BATCH_S: nodes failing together are admitted in one write (one
         # watch event per agent), at the cost of that much delay to their first NoExecute.
         old = self.brake_data or {}
-        decisive = (old.get("engaged"), old.get("admitted")) != (data["engaged"], data["admitted"])
+        decisive = any(old.get(k) != data[k] for k in (BRAKE_ENGAGED, BRAKE_ADMITTED))
         since = time.monotonic() - self.brake_written_at
         self.brake_due = None
         if data != self.brake_data and (
@@ -396,8 +410,7 @@ class Controller:
             return ()
         self.brake_data = cm.get("data") or {}
         self._own_version(cm)
-        raw = (cm.get("data") or {}).get("admitted") or ""
-        return tuple(n for n in raw.split(",") if n)
+        return parse_admitted(cm.get("data")) or ()
 
     def _write_brake(self, data: dict[str, str]) -> None:
         body = {
@@ -446,38 +459,38 @@ class Controller:
         self.m.deleted.inc()
 
     def _event(self, key: tuple[str, str], node: str | None, reason: str, note: str, type_: str) -> None:
-        """One Event per key for this process (a restart may say it once more). Regarding the Node, or (the
-        brake) the controller's own Lease."""
+        """One Event per key for this process (a restart may say it once more), written by report/events.py's
+        writer. Regarding the Node, or (the brake) the controller's own Lease."""
         if key in self.reported:
             return
         self.reported.add(key)
-        now = time.time()
         if node is not None:
-            regarding: dict[str, Any] = {"apiVersion": "v1", "kind": "Node", "name": node}
-            ns = self.args.event_namespace
+            self.node_events.record(reason, note, "/".join(key), type_, "Preflight", node_ref(node))
         else:
-            regarding = {
+            lease = {
                 "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "name": self.args.lease_name,
                 "namespace": self.args.namespace,
             }  # fmt: skip
-            ns = self.args.namespace
-        ev = {
-            "apiVersion": "events.k8s.io/v1",
-            "kind": "Event",
-            "metadata": {"generateName": "gpu-ready-controller-", "namespace": ns},
-            "eventTime": micro_time(now),
-            "reportingController": REPORTING_CONTROLLER,
-            "reportingInstance": f"{REPORTING_CONTROLLER}-{self.args.identity}"[:128],
-            "action": "Preflight" if node is not None else "FleetBrake",
-            "reason": reason,
-            "note": note[:1000],
-            "type": type_,
-            "regarding": regarding,
-        }
-        try:
-            self.api.request("POST", f"/apis/events.k8s.io/v1/namespaces/{quote(ns)}/events", ev)
-        except ApiError as e:
-            self.log.warning("cannot write the Event", reason=reason, error=str(e)[:300])
+            self.lease_events.record(reason, note, "/".join(key), type_, "FleetBrake", lease)
+        self._flush_events()
+
+    def _flush_events(self) -> None:
+        """Writes the Events recorded; one a transient failure kept is tried again on the next round."""
+        for reporter in (self.node_events, self.lease_events):
+            try:
+                reporter.flush()
+            except ApiError as e:
+                self.log.warning("cannot write the Event; trying again next round", error=str(e)[:300])
+
+    def _event_writer(self, namespace: str) -> EventReporter:
+        instance = f"{REPORTING_CONTROLLER}-{self.args.identity}"
+        return EventReporter(
+            self.api, "", namespace=namespace, on_drop=self._event_refused, controller=REPORTING_CONTROLLER,
+            instance=instance,
+        )  # fmt: skip
+
+    def _event_refused(self, p: PendingEvent | None, e: ApiError) -> None:
+        self.log.warning("the Event was refused", reason=p.reason if p else "", error=str(e)[:300])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -489,10 +502,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-name", default="gpu-ready-controller", help="the Lease that elects the active replica")
     p.add_argument("--lease-duration", type=float, default=10.0, help="seconds a silent holder keeps the Lease")
     p.add_argument("--gpu-selector", default="nvidia.com/gpu.present=true", help="label selector of GPU Nodes")
-    p.add_argument("--needs-label", default="gpu-ready.io/needs-preflight")
-    p.add_argument("--preflight-label", default="preflight")
-    p.add_argument("--taint-key", default="gpu-ready.io/gpu-not-ready", help="the agent's taint key")
-    p.add_argument("--condition-type", default="GPUReady")
+    p.add_argument("--needs-label", default=NEEDS_PREFLIGHT_LABEL)
+    p.add_argument("--preflight-label", default=PREFLIGHT_LABEL)
+    p.add_argument("--taint-key", default=TAINT_KEY, help="the agent's taint key")
+    p.add_argument("--condition-type", default=CONDITION_TYPE)
     p.add_argument("--startup-taint", default="", help="also run preflight on new nodes with this taint key")
     p.add_argument("--max-concurrent", type=int, default=2)
     p.add_argument("--max-failures", type=int, default=3)

@@ -15,12 +15,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.names import CORDONED_BY_ANNOTATION, PREFLIGHT_PASSED, format_brake
+
 NODE_LABEL = "gpu-ready.io/preflight-node"  # on the controller's Jobs: the node (or its hash when too long)
 NODE_ANNOTATION = "gpu-ready.io/preflight-node"  # the node's full name
 ATTEMPT_LABEL = "gpu-ready.io/preflight-attempt"
-MANAGED_LABEL = "gpu-ready.io/managed-by"
-MANAGED_VALUE = "gpu-ready-controller"
-CORDONED_BY = "gpu-ready.io/preflight-cordoned"
 # The condition reasons of a fault the agent keeps latched until a reboot, a reset or an operator's clear (the
 # verdict's LATCHED_REASONS; a test holds the two equal). Preflight on such a node would only test a GPU known to
 # be broken: the run waits for the remedy, and a pass then cannot remove the mark while the fault still stands.
@@ -58,7 +57,7 @@ def node_view(
     held = ""
     if any(t.get("key") == taint_key for t in taints):
         held = "taint"
-    elif unschedulable and annotations.get(CORDONED_BY) == "true":
+    elif unschedulable and annotations.get(CORDONED_BY_ANNOTATION) == "true":
         held = "preflight-cordon"
     elif any(c.get("type") == ctype and c.get("status") == "False" for c in conds):
         held = "condition"  # fenced GPUs (DeviceTaintRules) on a node without the taint
@@ -103,13 +102,7 @@ class BrakeState:
 
     def data(self) -> dict[str, str]:
         """The brake ConfigMap's data (act/brake.py reads `admitted`; the rest is for people and alerts)."""
-        return {
-            "engaged": "true" if self.engaged else "false",
-            "admitted": ",".join(self.admitted),
-            "unavailable": str(len(self.unavailable)),
-            "maxUnavailable": str(self.budget),
-            "gpuNodes": str(self.gpu_nodes),
-        }
+        return format_brake(self.engaged, self.admitted, len(self.unavailable), self.budget, self.gpu_nodes)
 
 
 def admission_rank(v: NodeView) -> int:
@@ -206,7 +199,7 @@ class Plan:
 
 def wants_preflight(v: NodeView) -> bool:
     """A node that needs a run: labelled needs-preflight, or (startup taint asked for) new and not yet passed."""
-    return v.needs or (v.startup_tainted and v.preflight != "passed")
+    return v.needs or (v.startup_tainted and v.preflight != PREFLIGHT_PASSED)
 
 
 def job_name(prefix: str, node: str, attempt: int) -> str:

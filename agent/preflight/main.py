@@ -14,6 +14,7 @@ import textwrap
 from dataclasses import asdict
 
 from agent.kube.client import ApiError, KubeApi
+from agent.names import NEEDS_PREFLIGHT_LABEL, PREFLIGHT_LABEL
 from agent.preflight.burnin import load_nvml
 from agent.preflight.cuda import load_cuda
 from agent.preflight.gates import Lazy, build_gates, run_gates
@@ -90,10 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", help="the gates step's results file (written by --step gates, read by --step record)")
     p.add_argument("--nvidia-smi", default="nvidia-smi")
     p.add_argument("--kmsg", default="/dev/kmsg", help="kernel log watched for Xids during burn-in")
-    p.add_argument("--label-key", default="preflight")
+    p.add_argument("--label-key", default=PREFLIGHT_LABEL)
     p.add_argument(
         "--needs-label",
-        default="gpu-ready.io/needs-preflight",
+        default=NEEDS_PREFLIGHT_LABEL,
         help="label removed from the Node when preflight passes",
     )
     p.add_argument(

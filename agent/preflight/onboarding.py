@@ -11,14 +11,22 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.kube.client import KubeApi
+from agent.names import (
+    CORDONED_BY_ANNOTATION,
+    PREFLIGHT_FAILED,
+    PREFLIGHT_LABEL,
+    PREFLIGHT_PASSED,
+    PREFLIGHT_REPORT_ANNOTATION,
+    PREFLIGHT_TIME_ANNOTATION,
+)
 from agent.preflight.gates import run_gates
 from agent.preflight.profile import Profile
 from agent.preflight.result import GateFn, GateResult, passed
 from agent.report.events import EventReporter
 
-CORDONED_BY = "gpu-ready.io/preflight-cordoned"
-TIME_ANNOTATION = "gpu-ready.io/preflight-time"
-REPORT_ANNOTATION = "gpu-ready.io/preflight-report"
+CORDONED_BY = CORDONED_BY_ANNOTATION
+TIME_ANNOTATION = PREFLIGHT_TIME_ANNOTATION
+REPORT_ANNOTATION = PREFLIGHT_REPORT_ANNOTATION
 ANNOTATIONS = (CORDONED_BY, TIME_ANNOTATION, REPORT_ANNOTATION)  # every annotation preflight writes
 DEFAULT_EVENT_NAMESPACE = "default"  # the apiserver takes Events about a Node only in default or kube-system
 
@@ -66,14 +74,14 @@ def record_on_node(
     results: list[GateResult],
     ok: bool,
     blocking: list[GateResult],
-    label_key: str = "preflight",
+    label_key: str = PREFLIGHT_LABEL,
     needs_label: str | None = None,
     cordoned_by_us: bool = False,
     event_namespace: str = DEFAULT_EVENT_NAMESPACE,
 ) -> dict[str, Any]:
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     meta: dict[str, Any] = {
-        "labels": {label_key: "passed" if ok else "failed"},
+        "labels": {label_key: PREFLIGHT_PASSED if ok else PREFLIGHT_FAILED},
         "annotations": {TIME_ANNOTATION: now, REPORT_ANNOTATION: short_report(results)},
     }
     patch: dict[str, Any] = {"metadata": meta}
@@ -106,7 +114,7 @@ def onboard(
     node: str,
     gates: dict[str, GateFn],
     profile: Profile,
-    label_key: str = "preflight",
+    label_key: str = PREFLIGHT_LABEL,
     needs_label: str | None = None,
     event_namespace: str = DEFAULT_EVENT_NAMESPACE,
     progress: Callable[[str], None] | None = None,

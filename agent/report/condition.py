@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
+from agent.clock import rfc3339
 from agent.kube.client import KubeApi
 from agent.model import Verdict
+from agent.names import CONDITION_TYPE
 from agent.verdict import MESSAGE_LIMIT, cut_utf8
 
-CONDITION_TYPE = "GPUReady"
 # The chart's admission policy refuses a condition message over this many bytes (admission-policy.yaml), so that
 # the condition can never hold the Node near etcd's request limit; the agent's own stay within MESSAGE_LIMIT.
 POLICY_MESSAGE_LIMIT = 1024
@@ -31,10 +31,6 @@ def fit_message(message: str, limit: int = MESSAGE_LIMIT) -> str:
     tail = f"… (+{len(data)} bytes cut)"  # an upper bound on the digits; corrected below
     head = cut_utf8(message, limit - len(tail.encode()))
     return f"{head}… (+{len(data) - len(head.encode())} bytes cut)"
-
-
-def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def find_condition(node: dict[str, Any] | None, ctype: str = CONDITION_TYPE) -> dict[str, Any] | None:

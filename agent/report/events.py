@@ -1,7 +1,9 @@
-"""Kubernetes Events (events.k8s.io/v1) on the Node, reportingController gpu-ready, reportingInstance
-gpu-ready-<node>: the only Events the chart's admission policy lets the token write. The blast radius of a GPU that
-turned bad (report/blast_radius.py) is told on the Node too, one Event per pod holding it, naming the pod: the
-policy cannot read a Pod to check that it runs on this node, so the agent writes no Events about Pods.
+"""Kubernetes Events (events.k8s.io/v1): the one Event writer of the agent, preflight and the controller. The agent's
+are on the Node, reportingController gpu-ready, reportingInstance gpu-ready-<node>: the only Events the chart's
+admission policy lets the token write. The controller's (reportingController gpu-ready-controller) are about a Node
+or its own Lease, each key written once (it never patches one: its policy allows only creates). The blast radius of
+a GPU that turned bad (report/blast_radius.py) is told on the Node too, one Event per pod holding it, naming the pod:
+the policy cannot read a Pod to check that it runs on this node, so the agent writes no Events about Pods.
 
 One Event per condition transition and per new fatal Xid per GPU. Repeats within `interval_s` of the
 same (reason, GPU) are not written at once: they are counted and folded into the existing Event's
@@ -20,9 +22,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
+from agent.clock import micro_time
 from agent.kube.backoff import Backoff
 from agent.kube.client import ApiError, KubeApi
 from agent.logs import get_logger
@@ -31,10 +33,6 @@ CONTROLLER = "gpu-ready"
 NAMESPACE = "default"
 QUEUE_LIMIT = 10_000
 MAX_NAME = 253  # an Event's name, like a Node's, is a DNS subdomain of at most 253 characters
-
-
-def micro_time(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def is_permanent(e: ApiError) -> bool:
@@ -60,6 +58,15 @@ class PendingEvent:
     type: str
     action: str
     at: float
+    regarding: dict[str, Any] | None = None  # None: the reporter's Node
+
+
+def node_ref(node: str, uid: str | None = None) -> dict[str, Any]:
+    """An Event's `regarding` for a Node."""
+    ref: dict[str, Any] = {"apiVersion": "v1", "kind": "Node", "name": node}
+    if uid:
+        ref["uid"] = uid
+    return ref
 
 
 @dataclass
@@ -75,6 +82,8 @@ class EventReporter:
     queue: list[PendingEvent] = field(default_factory=list)
     on_drop: Callable[[PendingEvent | None, ApiError], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    controller: str = CONTROLLER  # reportingController
+    instance: str = ""  # reportingInstance; "": <controller>-<node>
 
     def record(
         self,
@@ -83,10 +92,12 @@ class EventReporter:
         gpu: str = "",
         type_: str = "Warning",
         action: str = "Detected",
+        regarding: dict[str, Any] | None = None,
     ) -> None:
-        """Notes an occurrence; nothing is written until flush(). `gpu` is the aggregation key with `reason`."""
+        """Notes an occurrence; nothing is written until flush(). `gpu` is the aggregation key with `reason`;
+        `regarding` the object it is about (None: the reporter's Node)."""
         with self._lock:
-            self.queue.append(PendingEvent(reason, gpu, note[:1000], type_, action, self.wall()))
+            self.queue.append(PendingEvent(reason, gpu, note[:1000], type_, action, self.wall(), regarding))
             if len(self.queue) > QUEUE_LIMIT:  # a storm: keep the newest per key, counts are kept in the slots
                 self._compact()
 
@@ -154,25 +165,21 @@ class EventReporter:
         waits = [slot.last_write + self.interval_s - now for slot in self.slots.values() if slot.pending and slot.name]
         return max(0.0, min(waits)) if waits else None
 
-    def _regarding(self) -> dict[str, Any]:
-        ref: dict[str, Any] = {"apiVersion": "v1", "kind": "Node", "name": self.node}
-        if self.node_uid:
-            ref["uid"] = self.node_uid
-        return ref
-
     def _create(self, p: PendingEvent, slot: _Slot) -> None:
-        name = f"{self.node[: MAX_NAME - 17].rstrip('.-')}.{secrets.token_hex(8)}"  # a name, at most 253
+        regarding = p.regarding or node_ref(self.node, self.node_uid)
+        about = str(regarding.get("name") or self.controller)
+        name = f"{about[: MAX_NAME - 17].rstrip('.-')}.{secrets.token_hex(8)}"  # a name, at most 253
         namespace = self.namespace
         body = {
             "apiVersion": "events.k8s.io/v1",
             "kind": "Event",
             "metadata": {"name": name, "namespace": namespace},
             "eventTime": micro_time(p.at),
-            "reportingController": CONTROLLER,
-            "reportingInstance": f"{CONTROLLER}-{self.node}"[:128],
+            "reportingController": self.controller,
+            "reportingInstance": (self.instance or f"{self.controller}-{self.node}")[:128],
             "action": p.action,
             "reason": p.reason,
-            "regarding": self._regarding(),
+            "regarding": regarding,
             "note": p.note,
             "type": p.type,
         }

@@ -33,6 +33,7 @@ from enum import StrEnum
 from typing import Any
 
 from agent.model import Check, PciAddress, Reason, Status, Verdict
+from agent.names import RULE_MANAGED_LABEL, RULE_MANAGED_VALUE
 from agent.probes.dra import DEFAULT_DRIVER, DraGpu, DraInventory, match_gpus
 from agent.settings import (
     DAY,
@@ -48,8 +49,8 @@ from agent.settings import (
 )
 
 TAINT_KEY = "gpu-ready.io/unhealthy"
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-MANAGED_BY = "gpu-ready"
+MANAGED_BY_LABEL = RULE_MANAGED_LABEL
+MANAGED_BY = RULE_MANAGED_VALUE
 NODE_LABEL = "gpu-ready.io/node"
 GPU_ANNOTATION = "gpu-ready.io/gpu"
 NAME_PREFIX = "gpu-ready."

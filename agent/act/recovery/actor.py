@@ -58,6 +58,7 @@ from agent.act.taints.plan import own_effects, taints_of
 from agent.allocation import AllocationMap
 from agent.kube.client import ApiError, KubeApi
 from agent.model import Check, GpuIdentity, LatchedFault, Observation, PciAddress, Severity, XidEvent
+from agent.names import TAINT_KEY
 from agent.probes import nvml_pause
 from agent.probes.device_nodes import read_minor_numbers
 from agent.proc import Run, SupervisedRunner
@@ -153,7 +154,7 @@ class RecoverySettings:
     proc_root: str = "/proc"  # where the GPU's holders are looked for (the host's only with hostPID)
     release_holders: tuple[tuple[str, str], ...] = ()  # DaemonSets whose pod on this node is deleted before a reset
     per_gpu_fence: bool = False  # DRA fencing is on: a faulty GPU is fenced by itself (DeviceTaintRules)
-    taint_key: str = "gpu-ready.io/gpu-not-ready"  # gpu-ready's own node taint (its NoSchedule holds new pods off)
+    taint_key: str = TAINT_KEY  # gpu-ready's own node taint (its NoSchedule holds new pods off)
 
 
 def find_holders(proc_root: str, minor: int | None, limit: int = 8) -> list[str]:

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+from agent.clock import rfc3339
 from agent.model import TAINT_EFFECTS, Status
+from agent.names import CONDITION_TYPE, TAINT_KEY
 from agent.settings import RUN_ONLY, WITH_NODE, Setting, choice, own_taint_key, to_bool
 
-TAINT_KEY = "gpu-ready.io/gpu-not-ready"
 NO_SCHEDULE = "NoSchedule"
 NO_EXECUTE = "NoExecute"
 EFFECTS = TAINT_EFFECTS
@@ -89,7 +89,7 @@ def plan_taints(
     current_taints: Sequence[dict[str, Any]],
     settings: TaintSettings,
     startup_gate_open: bool,
-    ctype: str = "GPUReady",
+    ctype: str = CONDITION_TYPE,
     brake: bool = False,
 ) -> TaintPlan:
     """What gpu-ready's taint should become. Pure: no I/O, no clock.
@@ -121,10 +121,6 @@ def plan_taints(
     if brake and settings.no_execute_on_fatal and latched_fatal and NO_EXECUTE not in want:
         why += "; fleet brake: no NoExecute"
     return TaintPlan(add, remove, why)
-
-
-def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def apply_plan(
@@ -164,7 +160,7 @@ SETTINGS = (
     Setting(
         "taint_key",
         own_taint_key,
-        "gpu-ready.io/gpu-not-ready",
+        TAINT_KEY,
         "key of gpu-ready's taint (= chart taints.key)",
         commands=WITH_NODE,
     ),

@@ -22,6 +22,7 @@ from agent.act.taints.plan import (
 from agent.kube.backoff import Backoff
 from agent.kube.client import ApiError, KubeApi
 from agent.model import Verdict
+from agent.names import CONDITION_TYPE
 from agent.report.metrics import TaintMetrics
 
 
@@ -48,7 +49,7 @@ class TaintReporter:
         attempts: int = 3,
         mono: Callable[[], float] = time.monotonic,
         retry_cap_s: float = 30.0,
-        ctype: str = "GPUReady",
+        ctype: str = CONDITION_TYPE,
     ) -> None:
         self.api = api
         self.node = node
