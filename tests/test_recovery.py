@@ -1,5 +1,5 @@
-"""Per-GPU recovery, pure (agent/recovery.py): the remedy per fault, the ladder's steps, the retry budget, and the
-ladder kept in the state file across an agent restart (resumed, never restarted)."""
+"""Per-GPU recovery, pure (agent/act/recovery/ladder.py): the remedy per fault, the ladder's steps, the retry budget,
+and the ladder kept in the state file across an agent restart (resumed, never restarted)."""
 
 from __future__ import annotations
 

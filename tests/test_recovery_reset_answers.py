@@ -1,4 +1,4 @@
-"""What a GPU reset answered (agent/recovery.py `classify_reset`), over every captured line in tests/fixtures
+"""What a GPU reset answered (agent/act/recovery/ladder.py `classify_reset`), over every captured line in tests/fixtures
 (reset-*.txt, provenance in SOURCES.md), and the ladder's answer to each outcome: only a failed or hung reset (and a
 failed proof after a success) is charged; a refused one is retried with a backoff until the drain timeout and ends
 as GPUResetRefused; unsupported, needs-peers and tool-missing go to the node remedy; a GPU still settling (fabric
