@@ -3,6 +3,7 @@ the needs-preflight rule (verdict.node_facts, act/preflight_mark.py) and the tai
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -270,3 +271,34 @@ def test_the_brakes_fault_reasons_are_the_agents():
     from agent.model import Reason
 
     assert {str(r) for r in MODEL_FAULTS if r != Reason.PREFLIGHT_NOT_PASSED} == FAULT_REASONS
+
+
+def test_the_brake_counts_a_noexecute_still_in_effect_before_admitting_another():
+    """Two admitted nodes recovered (their condition no longer reports the latched fault) but still carry the
+    NoExecute their taint drops a moment later: the two latched nodes behind them wait for those slots instead of
+    taking NoExecute beside them (never more evictions in effect than the budget)."""
+    recovered = [NodeView(n, held="taint", evicting=True) for n in ("a", "b")]
+    latched = [NodeView(n, held="taint", latched=True, fault=True) for n in ("c", "d", "e")]
+    fleet = [*recovered, *latched, *(NodeView(f"n{i}") for i in range(5))]
+    assert brake_state(fleet, 2, previous=("a", "b")).admitted == ("a", "b")
+    # one dropped its NoExecute: its slot goes to the first latched node
+    fleet[0] = NodeView("a", held="taint")
+    assert brake_state(fleet, 2, previous=("a", "b")).admitted == ("c", "b")
+    # more NoExecute in effect than the budget (a brake turned on late): only the budget's worth stay admitted
+    many = [NodeView(f"x{i}", held="taint", evicting=True, latched=True, fault=True) for i in range(4)]
+    assert brake_state(many, 2).admitted == ("x0", "x1")
+    # a NoExecute on a node the brake never admitted (someone else's token) uses a slot: it delays, never adds
+    rogue = [NodeView("r", held="taint", evicting=True), *latched, *(NodeView(f"n{i}") for i in range(5))]
+    assert brake_state(rogue, 2).admitted == ("c", "r")
+
+
+def test_node_view_reads_the_noexecute_in_effect():
+    def node(effect: str) -> dict[str, Any]:
+        return {
+            "metadata": {"name": "n"},
+            "spec": {"taints": [{"key": "gpu-ready.io/gpu-not-ready", "effect": effect}]},
+        }
+
+    view = functools.partial(node_view, needs_label="l", preflight_label="p", taint_key="gpu-ready.io/gpu-not-ready",
+                             ctype="GPUReady", startup_taint="")  # fmt: skip
+    assert view(node("NoExecute")).evicting and not view(node("NoSchedule")).evicting

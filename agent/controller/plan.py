@@ -42,6 +42,7 @@ class NodeView:
     held: str = ""  # why gpu-ready holds it out of service ("": it does not): taint, cordon or condition
     latched: bool = False  # its condition reports a fault still latched (FatalXid, GPURecoveryFailed)
     fault: bool = False  # its condition reports a GPU fault (a reason of the agent's own; not PreflightNotPassed)
+    evicting: bool = False  # carries gpu-ready's taint with the NoExecute effect: an eviction in effect now
 
 
 def node_view(
@@ -67,6 +68,7 @@ def node_view(
         preflight=str(labels.get(preflight_label) or ""),
         startup_tainted=bool(startup_taint) and any(t.get("key") == startup_taint for t in taints),
         held=held,
+        evicting=any(t.get("key") == taint_key and t.get("effect") == "NoExecute" for t in taints),
         latched=any(
             c.get("type") == ctype and c.get("status") == "False" and c.get("reason") in LATCHED_REASONS for c in conds
         ),
@@ -115,7 +117,12 @@ def admission_rank(v: NodeView) -> int:
 
 def brake_state(nodes: Iterable[NodeView], spec: str | int, previous: Iterable[str] = ()) -> BrakeState:
     """The held nodes in name order; the admitted ones, at most the budget: by admission_rank, and within a rank
-    those admitted before first (an admission is not taken back from a node of the same rank), then by name."""
+    those admitted before first (an admission is not taken back from a node of the same rank), then by name.
+
+    The budget bounds the evictions in effect, not only the admissions: a node that carries gpu-ready's NoExecute
+    now (its agent has not yet dropped it, e.g. the node recovered a moment ago and its taint follows its
+    condition) takes a slot until it drops it, so a new admission waits for it instead of adding a NoExecute
+    beside it. Such a node is admitted (its eviction is counted, not a new one), within the budget."""
     views = list(nodes)
     held_views = sorted((v for v in views if v.held), key=lambda v: v.name)
     held = [v.name for v in held_views]
@@ -124,7 +131,14 @@ def brake_state(nodes: Iterable[NodeView], spec: str | int, previous: Iterable[s
     order = sorted(
         held_views, key=lambda v: (admission_rank(v), 0 if v.name in before else 1, before.get(v.name, 0), v.name)
     )
-    admitted = [v.name for v in order[:budget]]
+    evicting = {v.name for v in views if v.evicting}
+    admitted: list[str] = []
+    for v in order:
+        if len(admitted) >= budget:
+            break
+        in_effect = evicting.union(admitted)
+        if v.name in evicting or len(in_effect) < budget:
+            admitted.append(v.name)
     return BrakeState(len(views), tuple(held), budget, tuple(admitted))
 
 
