@@ -15,8 +15,8 @@ import re
 import reprlib
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, Protocol, TypeVar
 
 import yaml
 
@@ -453,6 +453,61 @@ class Setting:
     def file_key(self) -> str:
         head, *rest = self.name.split("_")
         return head + "".join(w.capitalize() for w in rest)
+
+
+_ROW_FIELDS = ("conv", "default", "help", "env", "public", "commands", "flag_name", "old_flags")
+
+
+# -- sections: each wing's settings as one frozen dataclass ------------------------------------------------------
+
+_ROW = "gpu_ready_setting"  # the dataclass field metadata key that makes a field a setting
+
+
+def setting(
+    conv: Callable[[Any], Any],
+    default: Any,
+    help: str,
+    *,
+    name: str | None = None,
+    env: str | None = None,
+    public: bool = True,
+    commands: tuple[str, ...] = EVERY_COMMAND,
+    flag_name: str | None = None,
+    old_flags: tuple[str, ...] = (),
+) -> Any:
+    """A field of a settings section that is a setting: its default, converter and help, and (when the field's
+    name is not the setting's) the setting's name, from which the flag, environment name and file key derive.
+    A section's other fields (bounds kept in code, values the wing fills in itself) are not settings."""
+    row = Setting(name or "", conv, default, help, env, public, commands, flag_name, old_flags)
+    return field(default=default, metadata={_ROW: row})
+
+
+def section_fields(section: type) -> tuple[tuple[str, Setting], ...]:
+    """(field name, Setting) for each field of a section that is a setting, in the section's order."""
+    out = []
+    for f in fields(section):
+        row: Setting | None = f.metadata.get(_ROW)
+        if row is not None:
+            out.append((f.name, _named(row, f)))
+    return tuple(out)
+
+
+def _named(row: Setting, f: Field[Any]) -> Setting:
+    return row if row.name else Setting(f.name, *(getattr(row, k) for k in _ROW_FIELDS))
+
+
+def rows(*sections: type) -> tuple[Setting, ...]:
+    """The Setting rows of some sections, in order."""
+    return tuple(s for section in sections for _, s in section_fields(section))
+
+
+S = TypeVar("S")
+
+
+class Sections(Protocol):
+    """The settings by section: `cfg[XidRateThresholds]` is that section (what a probe's builder is handed)."""
+
+    def __getitem__(self, kind: type[S]) -> S: ...
 
 
 # -- names the chart's admission policies exempt for gpu-ready's token: never someone else's ------------------

@@ -38,7 +38,7 @@ from agent.kube.backoff import Backoff
 from agent.kube.client import ApiError, KubeApi
 from agent.model import TAINT_EFFECTS, Status, Verdict
 from agent.report.metrics import TaintMetrics
-from agent.settings import RUN_ONLY, WITH_NODE, Setting, choice, own_taint_key, to_bool
+from agent.settings import RUN_ONLY, WITH_NODE, choice, own_taint_key, setting, to_bool
 
 TAINT_KEY = "gpu-ready.io/gpu-not-ready"
 NO_SCHEDULE = "NoSchedule"
@@ -325,29 +325,22 @@ class TaintReporter:
             self.events.record("TaintRemoved", f"removed {what}: {plan.why}", type_="Normal", action="Untainted")
 
 
-SETTINGS = (
-    Setting(
-        "taints",
+@dataclass(frozen=True)
+class TaintSection:
+    """Settings of gpu-ready's taint on its own Node."""
+
+    taints: str = setting(
         choice("off", "startup", "continuous"),
         "off",
         "gpu-ready's taint on its own Node: off, startup (remove when ready) or continuous (docs/taints.md)",
         commands=RUN_ONLY,
-    ),
-    Setting(
-        "taint_key",
-        own_taint_key,
-        "gpu-ready.io/gpu-not-ready",
-        "key of gpu-ready's taint (= chart taints.key)",
-        commands=WITH_NODE,
-    ),
-    Setting(
-        "taint_no_execute",
-        to_bool,
-        False,
-        "continuous taints: also NoExecute while a fatal fault is latched",
-        commands=RUN_ONLY,
-    ),
-    Setting(
-        "taint_unknown_as_false", to_bool, False, "continuous taints: Unknown taints like False", commands=RUN_ONLY
-    ),
-)
+    )
+    taint_key: str = setting(
+        own_taint_key, "gpu-ready.io/gpu-not-ready", "key of gpu-ready's taint (= chart taints.key)", commands=WITH_NODE
+    )
+    taint_no_execute: bool = setting(
+        to_bool, False, "continuous taints: also NoExecute while a fatal fault is latched", commands=RUN_ONLY
+    )
+    taint_unknown_as_false: bool = setting(
+        to_bool, False, "continuous taints: Unknown taints like False", commands=RUN_ONLY
+    )
