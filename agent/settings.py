@@ -7,6 +7,7 @@ derive from the rows. The converters (`to_float`, `to_int`, `to_bool`, ...) are 
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import json
 import math
@@ -435,6 +436,9 @@ class Setting:
     commands: tuple[str, ...] = EVERY_COMMAND  # the subcommands that take it as a flag
     flag_name: str | None = None  # the flag when it is not the name (`--node` for node_name)
     old_flags: tuple[str, ...] = ()  # earlier spellings of the flag: still accepted, not shown in --help
+    # A program's flag outside the agent's settings (add_program_flags): it must be given / one of these values
+    required: bool = False
+    choices: tuple[str, ...] | None = None
 
     @property
     def flag(self) -> str:
@@ -455,7 +459,7 @@ class Setting:
         return head + "".join(w.capitalize() for w in rest)
 
 
-_ROW_FIELDS = ("conv", "default", "help", "env", "public", "commands", "flag_name", "old_flags")
+_ROW_FIELDS = ("conv", "default", "help", "env", "public", "commands", "flag_name", "old_flags", "required", "choices")
 
 
 # -- sections: each wing's settings as one frozen dataclass ------------------------------------------------------
@@ -474,11 +478,13 @@ def setting(
     commands: tuple[str, ...] = EVERY_COMMAND,
     flag_name: str | None = None,
     old_flags: tuple[str, ...] = (),
+    required: bool = False,
+    choices: tuple[str, ...] | None = None,
 ) -> Any:
     """A field of a settings section that is a setting: its default, converter and help, and (when the field's
     name is not the setting's) the setting's name, from which the flag, environment name and file key derive.
     A section's other fields (bounds kept in code, values the wing fills in itself) are not settings."""
-    row = Setting(name or "", conv, default, help, env, public, commands, flag_name, old_flags)
+    row = Setting(name or "", conv, default, help, env, public, commands, flag_name, old_flags, required, choices)
     return field(default=default, metadata={_ROW: row})
 
 
@@ -499,6 +505,24 @@ def _named(row: Setting, f: Field[Any]) -> Setting:
 def rows(*sections: type) -> tuple[Setting, ...]:
     """The Setting rows of some sections, in order."""
     return tuple(s for section in sections for _, s in section_fields(section))
+
+
+def add_program_flags(parser: argparse.ArgumentParser, section: type) -> None:
+    """The flags of a program beside the agent (the controller, preflight), one per setting of its section. Such a
+    flag has no environment name or file key of its own: argparse converts it with the row's converter (`int`,
+    `float`: argparse's own message and exit 2), its default is the row's extra environment variable when that is
+    set (POD_NAMESPACE), else the row's default; a true/false one is a plain switch; a test seam (not public) is
+    left out of --help. The destination is the field's name."""
+    for attr, s in section_fields(section):
+        kw: dict[str, Any] = {"dest": attr, "help": s.help if s.public else argparse.SUPPRESS}
+        if s.conv is to_bool:
+            kw["action"] = "store_true"
+        else:
+            kw["default"] = (os.environ.get(s.env) if s.env else None) or s.default
+            kw.update({"type": s.conv} if s.conv is not str else {})
+            kw.update({"required": True} if s.required else {})
+            kw.update({"choices": s.choices} if s.choices else {})
+        parser.add_argument(s.flag, **kw)
 
 
 S = TypeVar("S")
