@@ -12,7 +12,7 @@ check and docs/configuration.md follow. A probe is built from its own section, n
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -41,6 +41,13 @@ class ProbeContext:
         """The payload of `check`'s result this cycle when it is a `kind`."""
         r = self.results.get(check)
         return r.payload if r is not None and isinstance(r.payload, kind) else None
+
+    def gpu_readings(self, check: Check) -> Sequence[Any] | None:
+        """The per-GPU readings in `check`'s payload this cycle (NVML's snapshot's `gpus`), None without one. The
+        probes after NVML read its samples through this, not its module's types: NVML's module imports theirs."""
+        r = self.results.get(check)
+        gpus = getattr(r.payload, "gpus", None) if r is not None else None
+        return gpus if isinstance(gpus, list | tuple) else None
 
     @property
     def node_asked(self) -> bool:

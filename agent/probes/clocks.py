@@ -178,13 +178,11 @@ class ClocksProbe:
         self.tracker = tracker
 
     def read(self, context: ProbeContext) -> ProbeResult:
-        from agent.probes.nvml import NvmlSnapshot  # NVML's module imports this one
-
-        snap, now = context.payload(Check.NVML, NvmlSnapshot), context.now
-        if snap is not None:
-            gpus = [g for g in snap.gpus if g.address is not None]
+        gpus, now = context.gpu_readings(Check.NVML), context.now
+        if gpus is not None:
+            gpus = [g for g in gpus if g.address is not None]
             for g in gpus:
-                if g.address is not None and g.clock is not None:
+                if g.clock is not None:
                     self.tracker.observe(g.address, g.clock, now)
-            self.tracker.forget_except(g.address for g in gpus if g.address is not None)
+            self.tracker.forget_except(g.address for g in gpus)
         return ProbeResult.of(Check.CLOCKS, self.tracker.findings(now))

@@ -367,14 +367,12 @@ class PcieProbe:
         self.cache = LinkCache()
 
     def read(self, context: ProbeContext) -> ProbeResult:
-        from agent.probes.nvml import NvmlSnapshot  # NVML's module imports this one
-
         pci, scan = context.ran(Check.PCI), context.payload(Check.PCI, PciScanKey)
         on_pci = sorted(pci.addresses) if pci is not None else []
         if not on_pci:
             return ProbeResult(Check.PCIE)
-        snap = context.payload(Check.NVML, NvmlSnapshot)
-        load = {g.address: g.load for g in (snap.gpus if snap else ()) if g.address is not None and g.load is not None}
+        gpus = context.gpu_readings(Check.NVML) or ()
+        load = {g.address: g.load for g in gpus if g.address is not None and g.load is not None}
         self.cache.refresh(scan.key if scan is not None else None)
         try:
             findings = self.reader.run(
