@@ -1,10 +1,11 @@
 """One typed, frozen settings object from flags, environment and a config file (the chart's ConfigMap).
 
 Precedence: command-line flag > environment variable (GPU_READY_<NAME>, then an extra name such as
-NODE_NAME) > config file > default. Every setting is declared once in SETTINGS (converter, default,
-help) and once as a typed attribute of Config; flags, env names, file keys and docs derive from
-SETTINGS. Every value goes through its converter here, in one place: a bad value raises ConfigError
-naming the setting and where it came from, and the CLI exits 2 with that one line.
+NODE_NAME) > config file > default. `Config` is the set of sections (SECTIONS): the agent's own (CoreSettings,
+here), each probe's as the registry's rows name them (agent/probes/registry.py) and each action's. Each setting is
+one field of one section (agent/settings.py `setting`); SETTINGS, the flags, env names, file keys and the docs
+table derive from the fields. Every value goes through its converter here, in one place: a bad value raises
+ConfigError naming the setting and where it came from, and the CLI exits 2 with that one line.
 
 The converters (`to_float`, `to_int`, `to_bool`, ...) are public so that other inputs (the preflight
 profile) validate the same way: `convert(conv, value, what)` raises ConfigError naming `what`."""
@@ -52,7 +53,7 @@ DEFAULT_METRICS_ADDRESS = "0.0.0.0:9465"  # not dcgm-exporter's 9400 nor node-ex
 CONFIG_FILE_LIMIT = 64 << 10  # bytes; a settings file is a few hundred (every setting, 1024-entry lists: <20 KiB)
 
 
-# The agent's own settings; each probe and action declares its rows beside it, gathered below.
+# The agent's own settings; each probe and action declares its section beside it, gathered below.
 @dataclass(frozen=True)
 class CoreSettings:
     """The agent's own settings: the node, the loop, the state, Events, the API and logs."""

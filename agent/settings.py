@@ -1,9 +1,12 @@
-"""The vocabulary of settings: one `Setting` row (name, converter, default, help) and the converters.
+"""The vocabulary of settings: the `setting` field of a settings section, the `Setting` row it makes, and the
+converters.
 
-Every setting is declared once as a row, next to the code that uses it (a probe declares its own rows beside
-it; config.py gathers them). Flags, environment names, file keys, the chart schema and the configuration doc
-derive from the rows. The converters (`to_float`, `to_int`, `to_bool`, ...) are public so that other inputs
-(the preflight profile) validate the same way: `convert(conv, value, what)` raises ConfigError naming `what`."""
+Every setting is declared once, as a field of its wing's section: a frozen dataclass beside the code that uses it
+(a probe's, the kernel log's, an action's, the agent's own core section in config.py), whose fields are made with
+`setting(converter, default, help)`. The rows (`rows`, `section_fields`) derive from the fields, and flags,
+environment names, file keys, the chart schema's check and the configuration doc derive from the rows. The
+converters (`to_float`, `to_int`, `to_bool`, ...) are public so that other inputs (the preflight profile) validate
+the same way: `convert(conv, value, what)` raises ConfigError naming `what`."""
 
 from __future__ import annotations
 
