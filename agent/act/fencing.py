@@ -801,7 +801,10 @@ class FencingSection:
         commands=WITH_NODE,
     )
     fencing_max_rules: int = setting(
-        in_range(to_int, 1, 1024), 128, "DeviceTaintRules per node at most (1 to 1024)", commands=WITH_NODE
+        in_range(to_int, 1, 1024),
+        DEFAULT_MAX_RULES,
+        "DeviceTaintRules per node at most (1 to 1024)",
+        commands=WITH_NODE,
     )
     fencing_resync: float = setting(
         positive(to_float, DAY),

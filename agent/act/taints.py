@@ -336,7 +336,7 @@ class TaintSection:
         commands=RUN_ONLY,
     )
     taint_key: str = setting(
-        own_taint_key, "gpu-ready.io/gpu-not-ready", "key of gpu-ready's taint (= chart taints.key)", commands=WITH_NODE
+        own_taint_key, TAINT_KEY, "key of gpu-ready's taint (= chart taints.key)", commands=WITH_NODE
     )
     taint_no_execute: bool = setting(
         to_bool, False, "continuous taints: also NoExecute while a fatal fault is latched", commands=RUN_ONLY

@@ -450,5 +450,5 @@ class DraSettings:
         commands=WITH_NODE,
     )
     dra_driver: str = setting(
-        dns_subdomain, "gpu.nvidia.com", "DRA driver whose devices are counted and fenced", commands=WITH_NODE
+        dns_subdomain, DEFAULT_DRIVER, "DRA driver whose devices are counted and fenced", commands=WITH_NODE
     )
