@@ -383,7 +383,7 @@ def settings_json(cfg: config_mod.Config) -> tuple[dict[str, Any], list[str]]:
             continue
         for form in _forms(v):
             try:
-                if config_mod.load(None, environ={}, overrides={s.name: form}).__getattribute__(s.name) == v:
+                if getattr(config_mod.load(None, environ={}, overrides={s.name: form}), s.name) == v:
                     out[s.file_key] = form
                     break
             except (config_mod.ConfigError, TypeError, ValueError):

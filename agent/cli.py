@@ -493,28 +493,12 @@ def build_parser(with_preflight: bool = True, argv: list[str] | None = None) -> 
     return p
 
 
-# The meaning of the controller's and preflight's flags that their own modules leave without help text.
-FLAG_HELP = {
-    "needs_label": "the label that asks for preflight on a Node",
-    "preflight_label": "the label preflight writes: <key>=passed|failed",
-    "label_key": "the label preflight writes: <key>=passed|failed",
-    "condition_type": "the agent's node condition",
-    "max_concurrent": "preflight Jobs running at once, fleet-wide",
-    "max_failures": "failed runs per node before the controller stops retrying it",
-    "pending_timeout": "seconds a Job's pod may wait to run before it is reported (an Event)",
-    "metrics_address": "host:port of /metrics and /healthz",
-    "kubeconfig": "a kubeconfig file (default: in-cluster, then ~/.kube/config)",
-    "nvidia_smi": "the nvidia-smi to run",
-    "json": "print one JSON report",
-}
-
-
 def complete_help(p: argparse.ArgumentParser) -> None:
     """Every flag of `p` says what it means and its default in --help (argparse shows neither by itself)."""
     for a in p._actions:
         if a.help == argparse.SUPPRESS or not a.option_strings or a.dest == "help":
             continue
-        a.help = a.help or FLAG_HELP.get(a.dest, a.dest.replace("_", " "))
+        a.help = a.help or a.dest.replace("_", " ")  # the controller's and preflight's rows carry their help
         default = '""' if a.default == "" else a.default
         shown = "required" if a.required else None if a.default in (None, False) else f"default: {default}"
         if shown and "default" not in a.help and "required" not in a.help:

@@ -1,10 +1,11 @@
 """One typed, frozen settings object from flags, environment and a config file (the chart's ConfigMap).
 
 Precedence: command-line flag > environment variable (GPU_READY_<NAME>, then an extra name such as
-NODE_NAME) > config file > default. Every setting is declared once in SETTINGS (converter, default,
-help) and once as a typed attribute of Config; flags, env names, file keys and docs derive from
-SETTINGS. Every value goes through its converter here, in one place: a bad value raises ConfigError
-naming the setting and where it came from, and the CLI exits 2 with that one line.
+NODE_NAME) > config file > default. `Config` is the set of sections (SECTIONS): the agent's own (CoreSettings,
+here), each probe's as the registry's rows name them (agent/probes/registry.py) and each action's. Each setting is
+one field of one section (agent/settings.py `setting`); SETTINGS, the flags, env names, file keys and the docs
+table derive from the fields. Every value goes through its converter here, in one place: a bad value raises
+ConfigError naming the setting and where it came from, and the CLI exits 2 with that one line.
 
 The converters (`to_float`, `to_int`, `to_bool`, ...) are public so that other inputs (the preflight
 profile) validate the same way: `convert(conv, value, what)` raises ConfigError naming `what`."""
@@ -14,35 +15,17 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import yaml
 
-from agent import mig_layout
 from agent.act import brake, preflight_mark
 from agent.act.fencing import plan as fencing
 from agent.act.recovery import actor as recovery
 from agent.act.taints import plan as taints
-from agent.kernel_log import rate, xid
-from agent.kernel_log import watcher as kmsg_watcher
 from agent.names import CONDITION_TYPE
-from agent.probes import (
-    clocks,
-    dcgm,
-    device_nodes,
-    device_plugin,
-    dra,
-    fabric,
-    fabric_manager,
-    imex,
-    infiniband,
-    nvidia_smi,
-    nvml,
-    pci,
-    pcie,
-    podresources,
-)
+from agent.probes import registry
 from agent.settings import (
     DAY,
     RUN_ONLY,
@@ -61,6 +44,9 @@ from agent.settings import (
     own_label_key,
     positive,
     readable_file,
+    rows,
+    section_fields,
+    setting,
     to_bool,
     to_float,
     to_int,
@@ -70,242 +56,135 @@ from agent.settings import (
 DEFAULT_METRICS_ADDRESS = "0.0.0.0:9465"  # not dcgm-exporter's 9400 nor node-exporter's 9100
 CONFIG_FILE_LIMIT = 64 << 10  # bytes; a settings file is a few hundred (every setting, 1024-entry lists: <20 KiB)
 
-# The agent's own settings; each probe and action declares its rows beside it, gathered below.
-CORE_SETTINGS: tuple[Setting, ...] = (
-    Setting(
-        "node_name",
+
+# The agent's own settings; each probe and action declares its section beside it, gathered below.
+@dataclass(frozen=True)
+class CoreSettings:
+    """The agent's own settings: the node, the loop, the state, Events, the API and logs."""
+
+    # `check --node` reads that Node and sets it
+    node_name: str | None = setting(
         optional(dns_subdomain),
         None,
         "Node to report on",
         env="NODE_NAME",
-        commands=RUN_ONLY,  # `check --node` reads that Node and sets it
+        commands=RUN_ONLY,
         flag_name="node",
         old_flags=("--node-name",),
-    ),
-    Setting("poll_interval", positive(to_float, DAY), 30.0, "seconds between check cycles", commands=RUN_ONLY),
-    Setting(
-        "heartbeat_interval", positive(to_float, DAY), 300.0, "seconds between condition heartbeats", commands=RUN_ONLY
-    ),
-    # The own Node from a watch and the fleet's writes spread out (docs/performance.md, "API cost at fleet scale").
-    Setting(
-        "node_watch",
-        to_bool,
-        True,
-        "read the own Node from a watch (off: GET resourceVersion=0 each poll)",
-        commands=RUN_ONLY,
-    ),
-    Setting(
-        "node_watch_timeout",
-        positive(to_float, DAY),
-        600.0,
-        "each Node watch lasts 1 to 2 times this, seconds",
-        commands=RUN_ONLY,
-    ),
-    Setting(
-        "start_spread",
+    )
+    poll_interval: float = setting(positive(to_float, DAY), 30.0, "seconds between check cycles", commands=RUN_ONLY)
+    heartbeat_interval: float = setting(
+        positive(to_float, DAY), 300.0, "seconds between condition heartbeats", commands=RUN_ONLY
+    )
+    node_watch: bool = setting(
+        to_bool, True, "read the own Node from a watch (off: GET resourceVersion=0 each poll)", commands=RUN_ONLY
+    )
+    node_watch_timeout: float = setting(
+        positive(to_float, DAY), 600.0, "each Node watch lasts 1 to 2 times this, seconds", commands=RUN_ONLY
+    )
+    start_spread: float = setting(
         non_negative(to_float, 3600),
         60.0,
         "hold the first condition write after start a random 0..this many seconds (unless the status changes)",
         commands=RUN_ONLY,
-    ),
-    Setting(
-        "heartbeat_jitter",
-        in_range(to_float, 0, 1),
-        0.2,
-        "each heartbeat waits interval x (1 +- jitter/2)",
-        commands=RUN_ONLY,
-    ),
-    Setting(
-        "recovery_polls", in_range(to_int, 1, 1000), 2, "clean polls before a level fault clears", commands=RUN_ONLY
-    ),
-    Setting("expected_gpus", optional(non_negative(to_int, 4096)), None, "GPUs this node must have (unset: no floor)"),
-    Setting("state_dir", to_str, "/var/lib/gpu-ready", "directory for latched faults (a hostPath)", commands=RUN_ONLY),
-    Setting("boot_id_file", to_str, "/proc/sys/kernel/random/boot_id", "file holding the boot ID", commands=RUN_ONLY),
-    Setting(
-        "event_interval",
-        non_negative(to_float, DAY),
-        300.0,
-        "at most one Event per reason and GPU per this many s",
-        commands=RUN_ONLY,
-    ),
-    Setting(
-        "event_namespace",
+    )
+    heartbeat_jitter: float = setting(
+        in_range(to_float, 0, 1), 0.2, "each heartbeat waits interval x (1 +- jitter/2)", commands=RUN_ONLY
+    )
+    recovery_polls: int = setting(
+        in_range(to_int, 1, 1000), 2, "clean polls before a level fault clears", commands=RUN_ONLY
+    )
+    expected_gpus: int | None = setting(
+        optional(non_negative(to_int, 4096)), None, "GPUs this node must have (unset: no floor)"
+    )
+    state_dir: str = setting(
+        to_str, "/var/lib/gpu-ready", "directory for latched faults (a hostPath)", commands=RUN_ONLY
+    )
+    boot_id_file: str = setting(
+        to_str, "/proc/sys/kernel/random/boot_id", "file holding the boot ID", commands=RUN_ONLY
+    )
+    event_interval: float = setting(
+        non_negative(to_float, DAY), 300.0, "at most one Event per reason and GPU per this many s", commands=RUN_ONLY
+    )
+    event_namespace: str = setting(
         choice("default", "kube-system"),
         "default",
         "namespace of the agent's Events about its Node (the apiserver accepts Events about a cluster-scoped "
         "object only in default or kube-system)",
         commands=RUN_ONLY,
-    ),
-    Setting(
-        "metrics_address",
-        host_port,
-        DEFAULT_METRICS_ADDRESS,
-        "host:port for /metrics, /healthz, /readyz",
-        commands=RUN_ONLY,
-    ),
-    Setting(
-        "require_preflight",
-        to_bool,
-        False,
-        "report True only on nodes labelled <preflight-label>=passed",
-        commands=RUN_ONLY,
-    ),
-    Setting("preflight_label", own_label_key, "preflight", "label key set by gpu-ready preflight", commands=RUN_ONLY),
-    Setting(
-        "condition_type",
+    )
+    metrics_address: str = setting(
+        host_port, DEFAULT_METRICS_ADDRESS, "host:port for /metrics, /healthz, /readyz", commands=RUN_ONLY
+    )
+    require_preflight: bool = setting(
+        to_bool, False, "report True only on nodes labelled <preflight-label>=passed", commands=RUN_ONLY
+    )
+    preflight_label: str = setting(
+        own_label_key, "preflight", "label key set by gpu-ready preflight", commands=RUN_ONLY
+    )
+    condition_type: str = setting(
         own_condition_type,
         CONDITION_TYPE,
         "Node condition type the agent writes (e.g. nvidia.com/GPUReady); must equal the chart's conditionType",
         commands=WITH_NODE,
-    ),
-    Setting(
-        "kubeconfig",
-        optional(readable_file),
-        None,
-        "kubeconfig file (default: in-cluster, then ~/.kube/config)",
-        commands=WITH_NODE,
-    ),
-    Setting("api_timeout", positive(to_float, 600), 10.0, "timeout for one API request, seconds", commands=WITH_NODE),
-    Setting("log_format", choice("auto", "json", "console"), "auto", "auto: JSON unless stderr is a terminal"),
-    Setting("log_level", choice("debug", "info", "warning", "error"), "info", "log level"),
+    )
+    kubeconfig: str | None = setting(
+        optional(readable_file), None, "kubeconfig file (default: in-cluster, then ~/.kube/config)", commands=WITH_NODE
+    )
+    api_timeout: float = setting(
+        positive(to_float, 600), 10.0, "timeout for one API request, seconds", commands=WITH_NODE
+    )
+    log_format: str = setting(choice("auto", "json", "console"), "auto", "auto: JSON unless stderr is a terminal")
+    log_level: str = setting(choice("debug", "info", "warning", "error"), "info", "log level")
+
+
+# Every section: the agent's own, each probe's (the registry's rows name them), then each action's.
+ACTION_SECTIONS: tuple[type, ...] = (
+    fencing.FencingSection,
+    taints.TaintSection,
+    recovery.RecoverySection,
+    preflight_mark.PreflightMarkSection,
+    brake.BrakeSection,
 )
-SETTINGS: tuple[Setting, ...] = (
-    *CORE_SETTINGS,
-    *nvidia_smi.SETTINGS,
-    *pci.SETTINGS,
-    *nvml.SETTINGS,
-    *pcie.SETTINGS,
-    *device_nodes.SETTINGS,
-    *clocks.SETTINGS,
-    *dcgm.SETTINGS,
-    *infiniband.SETTINGS,
-    *fabric.SETTINGS,
-    *fabric_manager.SETTINGS,
-    *imex.SETTINGS,
-    *device_plugin.SETTINGS,
-    *dra.SETTINGS,
-    *podresources.SETTINGS,
-    *mig_layout.SETTINGS,
-    *kmsg_watcher.SETTINGS,
-    *xid.SETTINGS,
-    *rate.SETTINGS,
-    *fencing.SETTINGS,
-    *taints.SETTINGS,
-    *recovery.SETTINGS,
-    *preflight_mark.SETTINGS,
-    *brake.SETTINGS,
-)
+SECTIONS: tuple[type, ...] = (CoreSettings, *registry.sections(), *ACTION_SECTIONS)
+SETTINGS: tuple[Setting, ...] = rows(*SECTIONS)
 BY_NAME = {s.name: s for s in SETTINGS}
+_INDEX = {kind: i for i, kind in enumerate(SECTIONS)}
+_WHERE = {s.name: (i, attr) for i, kind in enumerate(SECTIONS) for attr, s in section_fields(kind)}
+S = TypeVar("S")
 
 
 @dataclass(frozen=True)
 class Config:
-    """Every setting, typed. Build it with load(); the attributes are exactly SETTINGS' names."""
+    """Every setting, typed, by section: `cfg[XidRateThresholds]` is that wing's section, in SECTIONS' order.
+    A setting is also read by its own name (`cfg.poll_interval`, `cfg.xid_rate_count`), from its section. Build
+    it with load()."""
 
-    node_name: str | None
-    poll_interval: float
-    heartbeat_interval: float
-    node_watch: bool
-    node_watch_timeout: float
-    start_spread: float
-    heartbeat_jitter: float
-    recovery_polls: int
-    expected_gpus: int | None
-    state_dir: str
-    boot_id_file: str
-    event_interval: float
-    event_namespace: str
-    metrics_address: str
-    require_preflight: bool
-    preflight_label: str
-    condition_type: str
-    kubeconfig: str | None
-    api_timeout: float
-    log_format: str
-    log_level: str
-    nvidia_smi: str
-    nvidia_smi_timeout: float
-    sysfs_root: str
-    nvml: str
-    nvml_timeout: float
-    nvml_nvlink: bool
-    expected_nvlinks: int | None
-    nvlink_profiles: tuple[tuple[str, int], ...] | None
-    pcie: bool
-    pcie_bridges: bool
-    pcie_speed: bool
-    pcie_busy_utilization: int
-    device_nodes: bool
-    dev_root: str
-    require_uvm: bool
-    proc_root: str
-    clock_events: bool
-    clock_window: float
-    clock_max_slowed_share: float
-    clock_min_samples: int
-    thermal_margin_min: float | None
-    dcgm_exporter: str | None
-    dcgm_required: bool
-    dcgm_timeout: float
-    infiniband: bool
-    expected_nics: int | None
-    ib_min_rate_gbps: float | None
-    ib_rate_peers: bool
-    ib_flap_count: int
-    ib_flap_window: float
-    require_gpu_direct: bool
-    rail_devices: tuple[str, ...] | None
-    fabric: str
-    fabric_manager: bool
-    fabric_manager_address: str | None
-    imex: bool
-    imex_ctl: str
-    imex_timeout: float
-    imex_daemon: str
-    mig_strategy: str
-    replicas: int | None
-    plugin_grace: float
-    dra_counting: bool
-    dra_driver: str
-    pod_resources: bool
-    pod_resources_socket: str
-    pod_resources_interval: float
-    pod_resources_timeout: float
-    mig_pending_timeout: float
-    kmsg: str
-    kmsg_trust_user: bool
-    xid_fatal: tuple[int, ...]
-    xid_ignore: tuple[int, ...]
-    unknown_xid_fatal: bool
-    xid_rate: bool
-    xid_rate_count: int
-    xid_rate_window: float
-    xid_rate_ignore: tuple[int, ...]
-    xid_rate_burst: float
-    fencing: bool
-    fencing_effect: str
-    fencing_max_rules: int
-    fencing_resync: float
-    taints: str
-    taint_key: str
-    taint_no_execute: bool
-    taint_unknown_as_false: bool
-    recovery: bool
-    recovery_drain_timeout: float
-    recovery_evict: bool
-    recovery_reset_timeout: float
-    recovery_proof_command: str | None
-    recovery_proof_timeout: float
-    recovery_budget: int
-    recovery_window: float
-    recovery_settle_timeout: float
-    recovery_burst_window: float
-    recovery_release_holders: tuple[tuple[str, str], ...]
-    recovery_plugin_namespace: str | None
-    recovery_plugin_daemonset: str | None
-    preflight_after_fault: bool | None
-    needs_preflight_label: str
-    brake_configmap: str | None
+    sections: tuple[Any, ...]
+
+    def __getitem__(self, kind: type[S]) -> S:
+        section: S = self.sections[_INDEX[kind]]
+        return section
+
+    def __getattr__(self, name: str) -> Any:
+        where = _WHERE.get(name)
+        if where is None:
+            raise AttributeError(f"no setting {name!r}")
+        return getattr(self.sections[where[0]], where[1])
+
+    @property
+    def core(self) -> CoreSettings:
+        return self[CoreSettings]
+
+    def with_values(self, **values: Any) -> Config:
+        """A copy with some settings (by name) replaced, as they are (no converter runs)."""
+        changes: dict[int, dict[str, Any]] = {}
+        for name, v in values.items():
+            if name not in _WHERE:
+                raise ConfigError(f"unknown setting {name!r}")
+            i, attr = _WHERE[name]
+            changes.setdefault(i, {})[attr] = v
+        return Config(tuple(replace(s, **changes[i]) if i in changes else s for i, s in enumerate(self.sections)))
 
     @property
     def marks_after_fault(self) -> bool:
@@ -500,7 +379,15 @@ def load(
     both = set(values["xid_fatal"]) & set(values["xid_ignore"])
     if both:
         raise ConfigError(f"invalid xid-fatal/xid-ignore: Xids {sorted(both)} are in both lists")
-    return Config(**values)
+    return Config(tuple(_section(kind, values) for kind in SECTIONS))
+
+
+def _section(kind: type[S], values: Mapping[str, Any]) -> S:
+    """One section from the converted values; a rule across its settings that fails is one ConfigError."""
+    try:
+        return kind(**{attr: values[s.name] for attr, s in section_fields(kind)})
+    except ValueError as e:
+        raise ConfigError(f"invalid {e}") from None
 
 
 def defaults(**overrides: Any) -> Config:
@@ -508,4 +395,4 @@ def defaults(**overrides: Any) -> Config:
     return load(None, environ={}, overrides=overrides)
 
 
-assert [f.name for f in fields(Config)] == [s.name for s in SETTINGS], "Config and SETTINGS must list the same names"
+assert len(BY_NAME) == len(SETTINGS), "two sections declare the same setting"

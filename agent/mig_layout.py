@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.model import Check, Finding, GpuIdentity, Reason
-from agent.settings import DAY, WITH_NODE, Setting, positive, to_float
+from agent.settings import DAY, WITH_NODE, positive, setting, to_float
 
 MIG_CONFIG_LABEL = "nvidia.com/mig.config"
 MIG_STATE_LABEL = "nvidia.com/mig.config.state"
@@ -151,13 +151,14 @@ def compare_plan(plan: str, gpus: Sequence[GpuIdentity], advertised: Mapping[str
     return out
 
 
-SETTINGS = (
-    Setting(
-        "mig_pending_timeout",
+@dataclass(frozen=True)
+class MigConfigSettings:
+    """Settings of the MIG layout check."""
+
+    mig_pending_timeout: float = setting(
         positive(to_float, DAY),
         600.0,
         "seconds nvidia.com/mig.config.state may stay pending before it is a MigConfigFailed fault "
         "(docs/allocation.md)",
         commands=WITH_NODE,
-    ),
-)
+    )

@@ -22,7 +22,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from agent import config as config_mod
@@ -38,10 +38,10 @@ from agent.bundle_raw import (
     pci_from_lspci,
     sys_from_pci,
 )
-from agent.checks import REGISTRY
 from agent.model import Check
 from agent.probes.nvidia_smi import NvidiaSmiRunner
 from agent.probes.nvml import NvmlProbe
+from agent.probes.registry import REGISTRY
 from agent.proc import Run, SupervisedRunner
 
 RUNS_FORMAT = "gpu-ready-runs/1"
@@ -362,13 +362,13 @@ def _open(args: argparse.Namespace, b: Bundle, root: str) -> Replay:
     if cfg.fabric_manager and not inputs.pci:
         skipped[Check.FABRIC_MANAGER] = "no NVSwitch list (sys/ tree or lspci.txt)"
     elif cfg.fabric_manager_address is not None:
-        cfg = replace(cfg, fabric_manager_address=None)
+        cfg = cfg.with_values(fabric_manager_address=None)
         notes.append("the fabric manager's port is not in a bundle: judged from the fabric states only")
     node = b.json("node.json")
     if node is not None and not isinstance(node, dict):
         raise BundleError("node.json is not an object")
     # A bundle that feeds no check would read True on nothing: refused, as an unreadable one is.
-    fed = [s.check for s in REGISTRY if s.enabled(cfg) and s.check not in skipped and s.check not in DERIVED]
+    fed = [s.check for s in REGISTRY if s.on(cfg) and s.check not in skipped and s.check not in DERIVED]
     if not fed and node is None:
         raise BundleError(
             "nothing in it feeds a check (no nvidia-smi output, NVML reading, sysfs, lspci or kernel log)"

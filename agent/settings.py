@@ -1,12 +1,16 @@
-"""The vocabulary of settings: one `Setting` row (name, converter, default, help) and the converters.
+"""The vocabulary of settings: the `setting` field of a settings section, the `Setting` row it makes, and the
+converters.
 
-Every setting is declared once as a row, next to the code that uses it (a probe declares its own rows beside
-it; config.py gathers them). Flags, environment names, file keys, the chart schema and the configuration doc
-derive from the rows. The converters (`to_float`, `to_int`, `to_bool`, ...) are public so that other inputs
-(the preflight profile) validate the same way: `convert(conv, value, what)` raises ConfigError naming `what`."""
+Every setting is declared once, as a field of its wing's section: a frozen dataclass beside the code that uses it
+(a probe's, the kernel log's, an action's, the agent's own core section in config.py), whose fields are made with
+`setting(converter, default, help)`. The rows (`rows`, `section_fields`) derive from the fields, and flags,
+environment names, file keys, the chart schema's check and the configuration doc derive from the rows. The
+converters (`to_float`, `to_int`, `to_bool`, ...) are public so that other inputs (the preflight profile) validate
+the same way: `convert(conv, value, what)` raises ConfigError naming `what`."""
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import json
 import math
@@ -15,8 +19,8 @@ import re
 import reprlib
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, Protocol, TypeVar
 
 import yaml
 
@@ -427,6 +431,9 @@ class Setting:
     commands: tuple[str, ...] = EVERY_COMMAND  # the subcommands that take it as a flag
     flag_name: str | None = None  # the flag when it is not the name (`--node` for node_name)
     old_flags: tuple[str, ...] = ()  # earlier spellings of the flag: still accepted, not shown in --help
+    # A program's flag outside the agent's settings (add_program_flags): it must be given / one of these values
+    required: bool = False
+    choices: tuple[str, ...] | None = None
 
     @property
     def flag(self) -> str:
@@ -445,6 +452,81 @@ class Setting:
     def file_key(self) -> str:
         head, *rest = self.name.split("_")
         return head + "".join(w.capitalize() for w in rest)
+
+
+_ROW_FIELDS = ("conv", "default", "help", "env", "public", "commands", "flag_name", "old_flags", "required", "choices")
+
+
+# -- sections: each wing's settings as one frozen dataclass ------------------------------------------------------
+
+_ROW = "gpu_ready_setting"  # the dataclass field metadata key that makes a field a setting
+
+
+def setting(
+    conv: Callable[[Any], Any],
+    default: Any,
+    help: str,
+    *,
+    name: str | None = None,
+    env: str | None = None,
+    public: bool = True,
+    commands: tuple[str, ...] = EVERY_COMMAND,
+    flag_name: str | None = None,
+    old_flags: tuple[str, ...] = (),
+    required: bool = False,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A field of a settings section that is a setting: its default, converter and help, and (when the field's
+    name is not the setting's) the setting's name, from which the flag, environment name and file key derive.
+    A section's other fields (bounds kept in code, values the wing fills in itself) are not settings."""
+    row = Setting(name or "", conv, default, help, env, public, commands, flag_name, old_flags, required, choices)
+    return field(default=default, metadata={_ROW: row})
+
+
+def section_fields(section: type) -> tuple[tuple[str, Setting], ...]:
+    """(field name, Setting) for each field of a section that is a setting, in the section's order."""
+    out = []
+    for f in fields(section):
+        row: Setting | None = f.metadata.get(_ROW)
+        if row is not None:
+            out.append((f.name, _named(row, f)))
+    return tuple(out)
+
+
+def _named(row: Setting, f: Field[Any]) -> Setting:
+    return row if row.name else Setting(f.name, *(getattr(row, k) for k in _ROW_FIELDS))
+
+
+def rows(*sections: type) -> tuple[Setting, ...]:
+    """The Setting rows of some sections, in order."""
+    return tuple(s for section in sections for _, s in section_fields(section))
+
+
+def add_program_flags(parser: argparse.ArgumentParser, section: type) -> None:
+    """The flags of a program beside the agent (the controller, preflight), one per setting of its section. Such a
+    flag has no environment name or file key of its own: argparse converts it with the row's converter (`int`,
+    `float`: argparse's own message and exit 2), its default is the row's extra environment variable when that is
+    set (POD_NAMESPACE), else the row's default; a true/false one is a plain switch; a test seam (not public) is
+    left out of --help. The destination is the field's name."""
+    for attr, s in section_fields(section):
+        kw: dict[str, Any] = {"dest": attr, "help": s.help if s.public else argparse.SUPPRESS}
+        if s.conv is to_bool:
+            kw["action"] = "store_true"
+        else:
+            kw["default"] = (os.environ.get(s.env) if s.env else None) or s.default
+            kw.update({"type": s.conv} if s.conv is not str else {})
+            kw.update({"required": True} if s.required else {})
+            kw.update({"choices": s.choices} if s.choices else {})
+        parser.add_argument(s.flag, **kw)
+
+
+S = TypeVar("S")
+
+
+class Sections(Protocol):
+    """The settings by section: `cfg[XidRateThresholds]` is that section (what a probe's builder is handed)."""
+
+    def __getitem__(self, kind: type[S]) -> S: ...
 
 
 # -- names the chart's admission policies exempt for gpu-ready's token: never someone else's ------------------

@@ -97,14 +97,6 @@ def test_no_doc_or_comment_cites_an_issue_number():
     assert not found, f"issue numbers cited: {found}"
 
 
-# Files docs/architecture.md names that the layout it draws adds in the changes merged after this page; each must
-# still be missing, and once one exists it leaves this set (an empty set: the page names only what exists).
-PENDING = {
-    "agent/probes/registry.py",
-    "probes/registry.py",
-}
-
-
 def named_files(page: Path) -> set[str]:
     """The files and modules a page names in code spans: paths (`agent/act/taints.py`, `kube/cache.py`, `tests/`)
     and dotted modules (`agent.act.fencing.plan`, as a path); placeholders such as `<name>` and globs left out."""
@@ -129,5 +121,4 @@ def test_the_architecture_page_names_only_files_that_exist():
         return name in dirs or any(f == name or f.endswith("/" + name) for f in files)
 
     missing = {n for n in named_files(DOCS / "architecture.md") if not exists(n)}
-    assert not missing - PENDING, f"docs/architecture.md names files that do not exist: {sorted(missing - PENDING)}"
-    assert not PENDING - missing, f"these exist now: take them out of PENDING {sorted(PENDING - missing)}"
+    assert not missing, f"docs/architecture.md names files that do not exist: {sorted(missing)}"

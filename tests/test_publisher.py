@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import pytest
 
 from agent import config
-from agent.act.fencing.plan import SETTINGS as FENCING_SETTINGS
+from agent.act.fencing.plan import FencingSection
 from agent.act.step import Quiet, Snapshot, StepSpec, Wiring
 from agent.act.steps import STEPS, ConditionStep, FenceStep, PreflightMarkStep, TaintStep
 from agent.act.taints.plan import NO_EXECUTE, NO_SCHEDULE, TAINT_KEY
@@ -24,7 +24,6 @@ from agent.kube.client import KubeApi
 from agent.model import GpuIdentity, LatchedFault, Observation, PciAddress, Reason, Status, Verdict, XidEvent
 from agent.publisher import Publisher
 from agent.report.metrics import Metrics
-from agent.settings import Setting
 from agent.verdict import decide
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "charts" / "gpu-ready" / "templates"
@@ -61,7 +60,7 @@ class Recorder:
 def recording(name_: str, rec: Recorder, edit: Callable[[Snapshot], Snapshot] = lambda s: s) -> type:
     class Step(Quiet):
         name: ClassVar[str] = name_
-        settings: ClassVar[tuple[Setting, ...]] = ()
+        settings: ClassVar[type | None] = None
         policies: ClassVar[tuple[str, ...]] = ()
 
         def __init__(self, w: Wiring) -> None:
@@ -115,11 +114,10 @@ def test_steps_are_listed_once_in_the_publish_order():
     assert len({s.kind for s in STEPS}) == len(STEPS)
 
 
-def test_each_steps_settings_are_rows_of_the_settings_table_unchanged():
-    table = {id(s) for s in config.SETTINGS}
+def test_each_steps_settings_section_is_a_section_of_the_settings_table():
     for spec in STEPS:
-        assert all(id(row) in table for row in spec.kind.settings), spec.kind.name
-    assert FenceStep.settings is FENCING_SETTINGS
+        assert spec.kind.settings is None or spec.kind.settings in config.SECTIONS, spec.kind.name
+    assert FenceStep.settings is FencingSection
 
 
 def test_each_policy_a_step_relies_on_is_a_validating_admission_policy_of_the_chart():

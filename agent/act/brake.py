@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from agent.kube.client import KubeApi
 from agent.kube.object_watch import ObjectWatch
 from agent.names import BRAKE_SELECTOR, fleet_over_budget, parse_admitted
-from agent.settings import RUN_ONLY, Setting, optional, to_str
+from agent.settings import RUN_ONLY, optional, setting, to_str
 
 _REF = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
 
@@ -135,15 +136,16 @@ class Brake:
         return self.watch is not None and fleet_engaged(self.watch.get())
 
 
-SETTINGS = (
-    Setting(
-        "brake_configmap",
+@dataclass(frozen=True)
+class BrakeSection:
+    """Settings of the fleet brake's reader."""
+
+    brake_configmap: str | None = setting(
         optional(lambda v: object_ref(to_str(v))),
         None,
         "the fleet brake's ConfigMap (namespace/name) that gpu-ready controller writes; unset: no brake",
         commands=RUN_ONLY,
-    ),
-)
+    )
 
 
 def object_ref(v: str) -> str:

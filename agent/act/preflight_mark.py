@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 from agent.kube.backoff import Backoff
 from agent.kube.client import ApiError, KubeApi
 from agent.names import NEEDS_PREFLIGHT_LABEL
-from agent.settings import RUN_ONLY, Setting, optional, own_label_key, to_bool
+from agent.settings import RUN_ONLY, optional, own_label_key, setting, to_bool
 
 NEEDS_LABEL = NEEDS_PREFLIGHT_LABEL
 MERGE_PATCH = "application/merge-patch+json"
@@ -84,19 +85,19 @@ class PreflightMark:
         return True
 
 
-SETTINGS = (
-    Setting(
-        "preflight_after_fault",
+@dataclass(frozen=True)
+class PreflightMarkSection:
+    """Settings of the needs-preflight mark after a fault."""
+
+    preflight_after_fault: bool | None = setting(
         optional(to_bool),
         None,
         "label the own Node <needs-preflight-label>=true when a GPU fault latches (unset: when requirePreflight)",
         commands=RUN_ONLY,
-    ),
-    Setting(
-        "needs_preflight_label",
+    )
+    needs_preflight_label: str = setting(
         own_label_key,
         NEEDS_LABEL,
         "the label that marks a node as needing preflight (= chart preflight.needsLabel)",
         commands=RUN_ONLY,
-    ),
-)
+    )

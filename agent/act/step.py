@@ -3,8 +3,8 @@
 A step is built once from the `Wiring` (the settings, the API, the clock, the channels every step shares: the
 Event writer, the condition reporter, the fleet brake), started and closed with the agent, and run once per
 published verdict with one `Snapshot`. It returns the snapshot the next step gets: the same, or with a note for
-the condition message (`note`) or a fresher copy of the Node (`node`). It declares its settings (the SETTINGS rows
-of its module) and the chart's ValidatingAdmissionPolicies its writes rely on (`policies`, the name after the
+the condition message (`note`) or a fresher copy of the Node (`node`). It declares its settings (the settings section
+of its module, or None) and the chart's ValidatingAdmissionPolicies its writes rely on (`policies`, the name after the
 release's prefix: `<release>-own-node-only` is "own-node-only"), so that a step is one class and one row of STEPS.
 
 A step's own waits are one moment (`deadline`), which the publisher folds into its `next_deadline`."""
@@ -26,7 +26,6 @@ from agent.probes.dra import DraInventory
 from agent.report.condition import ConditionReporter
 from agent.report.events import EventPublisher
 from agent.report.metrics import Metrics
-from agent.settings import Setting
 
 
 @dataclass(frozen=True)
@@ -63,11 +62,12 @@ class Wiring:
 
 
 class ActionStep(Protocol):
-    """One publish/act step. Class attributes: `name` (logs), `settings` (its SETTINGS rows), `policies` (the
+    """One publish/act step. Class attributes: `name` (logs), `settings` (its settings section, a frozen
+    dataclass of `setting` fields; None for a step without settings of its own), `policies` (the
     chart's admission policies its writes rely on; () for a step that writes nothing to the cluster)."""
 
     name: ClassVar[str]
-    settings: ClassVar[tuple[Setting, ...]]
+    settings: ClassVar[type | None]
     policies: ClassVar[tuple[str, ...]]
 
     def __init__(self, w: Wiring) -> None: ...

@@ -35,7 +35,6 @@ from agent.kube.client import ApiError
 from agent.model import Reason, Status, Verdict, gpu_label
 from agent.report.blast_radius import EVENT_REASON as POD_EVENT_REASON
 from agent.report.blast_radius import BlastRadius, affected_note
-from agent.settings import Setting
 
 OWN_NODE = "own-node-only"  # the condition, the taint and the label: only the agent's own Node, only its fields
 OWN_EVENTS = "own-events-only"  # Events: only in the Event namespace, only about the own Node
@@ -46,7 +45,7 @@ class FenceStep(Quiet):
     """Per-GPU DeviceTaintRules (docs/fencing.md) on the fencing thread: `run` only hands the verdict over."""
 
     name: ClassVar[str] = "fencing"
-    settings: ClassVar[tuple[Setting, ...]] = fencing_plan.SETTINGS
+    settings: ClassVar[type | None] = fencing_plan.FencingSection
     policies: ClassVar[tuple[str, ...]] = (OWN_DEVICES, OWN_EVENTS)
 
     def __init__(self, w: Wiring) -> None:
@@ -76,7 +75,7 @@ class AffectedPodsStep(Quiet):
     """The pods on the affected GPUs: a count in the message, one Event per pod holding a GPU that turned bad."""
 
     name: ClassVar[str] = "affected pods"
-    settings: ClassVar[tuple[Setting, ...]] = ()
+    settings: ClassVar[type | None] = None
     policies: ClassVar[tuple[str, ...]] = (OWN_EVENTS,)
 
     def __init__(self, w: Wiring) -> None:
@@ -93,7 +92,7 @@ class MetricsStep(Quiet):
     """The verdict's gauges (report/metrics.py): written to memory, served on /metrics."""
 
     name: ClassVar[str] = "metrics"
-    settings: ClassVar[tuple[Setting, ...]] = ()
+    settings: ClassVar[type | None] = None
     policies: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, w: Wiring) -> None:
@@ -108,7 +107,7 @@ class KernelLogEventsStep(Quiet):
     """One Event per freshly latched kernel-log fault (Xid or SXid), naming the GPU or the NVSwitch."""
 
     name: ClassVar[str] = "kernel-log events"
-    settings: ClassVar[tuple[Setting, ...]] = ()
+    settings: ClassVar[type | None] = None
     policies: ClassVar[tuple[str, ...]] = (OWN_EVENTS,)
 
     def __init__(self, w: Wiring) -> None:
@@ -128,7 +127,7 @@ class ConditionStep:
     write waits for its start-up spread unless it changes what the Node shows."""
 
     name: ClassVar[str] = "condition"
-    settings: ClassVar[tuple[Setting, ...]] = ()
+    settings: ClassVar[type | None] = None
     policies: ClassVar[tuple[str, ...]] = (OWN_NODE, OWN_EVENTS)
 
     def __init__(self, w: Wiring) -> None:
@@ -189,7 +188,7 @@ class TaintStep(Quiet):
     taint patch never delays a condition write. Never removed on shutdown."""
 
     name: ClassVar[str] = "taint"
-    settings: ClassVar[tuple[Setting, ...]] = taint_plan.SETTINGS
+    settings: ClassVar[type | None] = taint_plan.TaintSection
     policies: ClassVar[tuple[str, ...]] = (OWN_NODE, OWN_EVENTS)
 
     def __init__(self, w: Wiring) -> None:
@@ -243,7 +242,7 @@ class PreflightMarkStep(Quiet):
     """The needs-preflight label once a GPU fault latched (the controller runs preflight before it clears)."""
 
     name: ClassVar[str] = "needs-preflight label"
-    settings: ClassVar[tuple[Setting, ...]] = preflight_mark.SETTINGS
+    settings: ClassVar[type | None] = preflight_mark.PreflightMarkSection
     policies: ClassVar[tuple[str, ...]] = (OWN_NODE, OWN_EVENTS)
 
     def __init__(self, w: Wiring) -> None:

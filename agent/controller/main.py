@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import stat
 import sys
 import threading
@@ -43,6 +42,7 @@ from agent.controller.plan import (
     node_view,
     plan_preflight,
 )
+from agent.controller.settings import ControllerSettings
 from agent.kube.client import ApiError, KubeApi, connect
 from agent.kube.object_watch import ObjectWatch
 from agent.logs import get_logger, setup_logging
@@ -50,15 +50,12 @@ from agent.names import (
     BRAKE_ADMITTED,
     BRAKE_ENGAGED,
     BRAKE_SELECTOR,
-    CONDITION_TYPE,
     MANAGED_LABEL,
     MANAGED_VALUE,
-    NEEDS_PREFLIGHT_LABEL,
-    PREFLIGHT_LABEL,
-    TAINT_KEY,
     parse_admitted,
 )
 from agent.report.events import EventReporter, PendingEvent, node_ref
+from agent.settings import add_program_flags
 
 REPORTING_CONTROLLER = "gpu-ready-controller"
 MAX_TEMPLATE_BYTES = 256 * 1024
@@ -494,30 +491,7 @@ class Controller:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    p.add_argument("--namespace", default=env("POD_NAMESPACE", "gpu-ready"), help="its namespace (Jobs, Lease, brake)")
-    p.add_argument("--job-template", required=True, help="the chart's preflight Job, rendered (a YAML file)")
-    p.add_argument("--job-prefix", default="gpu-ready-preflight", help="the Jobs' name prefix")
-    p.add_argument("--identity", default=env("POD_NAME") or socket.gethostname(), help="this replica's Lease id")
-    p.add_argument("--lease-name", default="gpu-ready-controller", help="the Lease that elects the active replica")
-    p.add_argument("--lease-duration", type=float, default=10.0, help="seconds a silent holder keeps the Lease")
-    p.add_argument("--gpu-selector", default="nvidia.com/gpu.present=true", help="label selector of GPU Nodes")
-    p.add_argument("--needs-label", default=NEEDS_PREFLIGHT_LABEL)
-    p.add_argument("--preflight-label", default=PREFLIGHT_LABEL)
-    p.add_argument("--taint-key", default=TAINT_KEY, help="the agent's taint key")
-    p.add_argument("--condition-type", default=CONDITION_TYPE)
-    p.add_argument("--startup-taint", default="", help="also run preflight on new nodes with this taint key")
-    p.add_argument("--max-concurrent", type=int, default=2)
-    p.add_argument("--max-failures", type=int, default=3)
-    p.add_argument("--backoff", type=float, default=300.0, help="seconds after a failed run (doubles each time)")
-    p.add_argument("--pending-timeout", type=float, default=900.0)
-    p.add_argument("--brake", default="", help='the brake ConfigMap\'s name ("": no brake)')
-    p.add_argument("--max-unavailable", default="10%", help="a count or a percentage of GPU nodes")
-    p.add_argument("--event-namespace", default="default", help="namespace of Events about Nodes")
-    p.add_argument("--metrics-address", default="0.0.0.0:9466")
-    p.add_argument("--resync", type=float, default=30.0, help="reconcile at least this often (seconds)")
-    p.add_argument("--watch-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
-    p.add_argument("--kubeconfig", default=None)
+    add_program_flags(p, ControllerSettings)
 
 
 def check_args(a: argparse.Namespace) -> str | None:

@@ -26,18 +26,33 @@ from dataclasses import dataclass
 
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, XidEvent
 from agent.probes.base import ProbeContext
-from agent.settings import DAY, Setting, in_range, positive, to_bool, to_float, to_int, to_int_list
+from agent.settings import DAY, in_range, positive, setting, to_bool, to_float, to_int, to_int_list
 
 
 @dataclass(frozen=True)
 class XidRateThresholds:
     """Settings of the Xid-rate probe (docs/degradation.md has each default and its source)."""
 
-    enabled: bool = True
-    count: int = 3  # EKS node monitoring agent #272 proposal: 3 occurrences ...
-    window_s: float = 600.0  # ... within 10 minutes
-    ignore: frozenset[int] = frozenset({45})  # 45 follows other Xids (NVIDIA/NVSentinel#1712)
-    burst_s: float = 1.0  # records of one fault come within milliseconds: one occurrence
+    enabled: bool = setting(to_bool, True, "count repeated non-fatal Xids per GPU", name="xid_rate")
+    # EKS node monitoring agent #272 proposal: 3 occurrences ...
+    count: int = setting(
+        in_range(to_int, 1, 100_000), 3, "this many of the same non-fatal Xid on one GPU ...", name="xid_rate_count"
+    )
+    # ... within 10 minutes
+    window_s: float = setting(
+        positive(to_float, DAY), 600.0, "... within this many seconds: GPUDegraded", name="xid_rate_window"
+    )
+    # 45 follows other Xids (NVIDIA/NVSentinel#1712)
+    ignore: tuple[int, ...] = setting(
+        to_int_list, (45,), "Xids the rate never counts (comma list)", name="xid_rate_ignore"
+    )
+    # records of one fault come within milliseconds: one occurrence
+    burst_s: float = setting(
+        in_range(to_float, 0.0, 60.0),
+        1.0,
+        "records of one Xid on one GPU within this many seconds of the last counted one are one occurrence",
+        name="xid_rate_burst",
+    )
     max_keys: int = 1024  # (GPU, Xid) pairs tracked at once; the oldest is dropped beyond this
 
     def __post_init__(self) -> None:
@@ -134,17 +149,3 @@ class XidRateProbe:
 
     def read(self, context: ProbeContext) -> ProbeResult:
         return ProbeResult(Check.XID_RATE, tuple(self.tracker.findings(context.now)))
-
-
-SETTINGS = (
-    Setting("xid_rate", to_bool, True, "count repeated non-fatal Xids per GPU"),
-    Setting("xid_rate_count", in_range(to_int, 1, 100_000), 3, "this many of the same non-fatal Xid on one GPU ..."),
-    Setting("xid_rate_window", positive(to_float, DAY), 600.0, "... within this many seconds: GPUDegraded"),
-    Setting("xid_rate_ignore", to_int_list, (45,), "Xids the rate never counts (comma list)"),
-    Setting(
-        "xid_rate_burst",
-        in_range(to_float, 0.0, 60.0),
-        1.0,
-        "records of one Xid on one GPU within this many seconds of the last counted one are one occurrence",
-    ),
-)

@@ -13,21 +13,38 @@ import select
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from agent.kernel_log.link import LinkChange, parse_link_change
 from agent.kernel_log.xid import KernelLogParser
 from agent.logs import get_logger
 from agent.model import Check, Finding, ProbeResult, XidEvent
 from agent.probes.base import ProbeContext
-from agent.settings import Setting, to_bool, to_str
+from agent.settings import setting, to_bool, to_str
 
 if TYPE_CHECKING:
     from agent.kernel_log.rate import XidRateTracker
-    from agent.report.metrics import Metrics
     from agent.state import LatchState
 
 from agent.kernel_log.source import KmsgRecord, KmsgSource, KmsgUnavailable
+
+
+class _Counter(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+
+class Metrics(Protocol):
+    """What the watcher counts (report/metrics.py's Metrics is one; the kernel-log wing does not import it)."""
+
+    @property
+    def kmsg_records(self) -> _Counter: ...
+
+    @property
+    def kmsg_lost(self) -> _Counter: ...
+
+    def observe_xid_key(self, key: tuple[int, str, bool], n: int = 1) -> None: ...
+
 
 KMSG_BATCH = 2000  # records parsed per read: bounds memory in a storm
 LINK_CHANGES_KEPT = 8  # distinct link changes kept per batch for the log line (all are counted)
@@ -329,13 +346,14 @@ def read_once(path: str, parser: KernelLogParser, trust_user: bool = False) -> K
     return KernelLog(events, problem, src.is_device, newest)
 
 
-SETTINGS = (
-    Setting("kmsg", to_str, "/dev/kmsg", "kernel log to read (a regular file in kmsg format works the same)"),
-    Setting(
-        "kmsg_trust_user",
+@dataclass(frozen=True)
+class KmsgSettings:
+    """Settings of the kernel-log watcher."""
+
+    kmsg: str = setting(to_str, "/dev/kmsg", "kernel log to read (a regular file in kmsg format works the same)")
+    kmsg_trust_user: bool = setting(
         to_bool,
         False,
         "count records from user-space facilities too (tests that write to /dev/kmsg from user space)",
         public=False,
-    ),
-)
+    )

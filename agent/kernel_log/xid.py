@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from agent.model import PciAddress, XidEvent
-from agent.settings import Setting, to_bool, to_int_list
+from agent.settings import setting, to_bool, to_int_list
 
 # printk() cuts a message at 1024 bytes (LOG_LINE_MAX); nothing the driver prints is longer.
 MAX_LINE = 1024
@@ -351,8 +351,10 @@ class KernelLogParser:
         return XidEvent(FALLEN_OFF_BUS_XID, addr, raw, fatal, line.strip(), "fallen_off_bus", name, action, seq, usec)
 
 
-SETTINGS = (
-    Setting("xid_fatal", to_int_list, (), "Xids fatal in addition to the catalog's (comma list)"),
-    Setting("xid_ignore", to_int_list, (), "Xids never fatal (comma list)"),
-    Setting("unknown_xid_fatal", to_bool, True, "treat Xids missing from the catalog as fatal"),
-)
+@dataclass(frozen=True)
+class XidSettings:
+    """Settings of the Xid classification."""
+
+    xid_fatal: tuple[int, ...] = setting(to_int_list, (), "Xids fatal in addition to the catalog's (comma list)")
+    xid_ignore: tuple[int, ...] = setting(to_int_list, (), "Xids never fatal (comma list)")
+    unknown_xid_fatal: bool = setting(to_bool, True, "treat Xids missing from the catalog as fatal")

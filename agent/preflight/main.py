@@ -11,7 +11,7 @@ import os
 import sys
 import tempfile
 import textwrap
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from agent.kube.client import ApiError, KubeApi
 from agent.names import NEEDS_PREFLIGHT_LABEL, PREFLIGHT_LABEL
@@ -28,7 +28,7 @@ from agent.preflight.onboarding import (
 from agent.preflight.profile import Profile, ProfileError
 from agent.preflight.result import FAIL, GATES, PASS, SKIP, GateFn, GateResult, passed
 from agent.report.events import EventReporter
-from agent.settings import ConfigError, load_json, own_label_key, read_text_file
+from agent.settings import ConfigError, add_program_flags, load_json, own_label_key, read_text_file, setting, to_bool
 
 STEPS = ("all", "cordon", "gates", "record")
 SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
@@ -76,36 +76,45 @@ def gates_epilog(width: int = 79) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class PreflightSettings:
+    """`gpu-ready preflight`'s flags (docs/preflight.md): add_arguments derives them; _check_usage judges them."""
+
+    profile: str | None = setting(str, None, "profile YAML (docs/preflight.md)", required=True)
+    node: str | None = setting(str, None, "record the outcome on this Node (label, annotations, cordon, Event)")
+    step: str = setting(
+        str,
+        "all",
+        "all (default); or one step of the chart's Job: cordon (token), gates (no token; writes --results), "
+        "record (token; reads --results)",
+        choices=STEPS,
+    )
+    results: str | None = setting(
+        str, None, "the gates step's results file (written by --step gates, read by --step record)"
+    )
+    nvidia_smi: str = setting(str, "nvidia-smi", "the nvidia-smi to run")
+    kmsg: str = setting(str, "/dev/kmsg", "kernel log watched for Xids during burn-in")
+    label_key: str = setting(str, PREFLIGHT_LABEL, "the label preflight writes: <key>=passed|failed")
+    needs_label: str = setting(str, NEEDS_PREFLIGHT_LABEL, "label removed from the Node when preflight passes")
+    event_namespace: str = setting(
+        str,
+        DEFAULT_EVENT_NAMESPACE,
+        "namespace of the PreflightFailed Event (default: $GPU_READY_EVENT_NAMESPACE or default)",
+        env="GPU_READY_EVENT_NAMESPACE",
+    )
+    gates: str = setting(str, ",".join(GATES), f"comma list of gates to run (default: {','.join(GATES)})")
+    kubeconfig: str | None = setting(str, None, "a kubeconfig file (default: in-cluster, then ~/.kube/config)")
+    json: bool = setting(to_bool, False, "print one JSON report")
+    # tests point it elsewhere
+    sa_token_path: str = setting(
+        str, SA_TOKEN, "the ServiceAccount token the gates step refuses to run with", public=False
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description, p.epilog = textwrap.fill(DESCRIPTION, 79, break_on_hyphens=False), gates_epilog()
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # both are laid out already
-    p.add_argument("--profile", required=True, help="profile YAML (docs/preflight.md)")
-    p.add_argument("--node", help="record the outcome on this Node (label, annotations, cordon, Event)")
-    p.add_argument(
-        "--step",
-        choices=STEPS,
-        default="all",
-        help="all (default); or one step of the chart's Job: cordon (token), gates (no token; writes --results), "
-        "record (token; reads --results)",
-    )
-    p.add_argument("--results", help="the gates step's results file (written by --step gates, read by --step record)")
-    p.add_argument("--nvidia-smi", default="nvidia-smi")
-    p.add_argument("--kmsg", default="/dev/kmsg", help="kernel log watched for Xids during burn-in")
-    p.add_argument("--label-key", default=PREFLIGHT_LABEL)
-    p.add_argument(
-        "--needs-label",
-        default=NEEDS_PREFLIGHT_LABEL,
-        help="label removed from the Node when preflight passes",
-    )
-    p.add_argument(
-        "--event-namespace",
-        default=os.environ.get("GPU_READY_EVENT_NAMESPACE") or DEFAULT_EVENT_NAMESPACE,
-        help="namespace of the PreflightFailed Event (default: $GPU_READY_EVENT_NAMESPACE or default)",
-    )
-    p.add_argument("--gates", default=",".join(GATES), help=f"comma list of gates to run (default: {','.join(GATES)})")
-    p.add_argument("--kubeconfig")
-    p.add_argument("--json", action="store_true", help="print one JSON report")
-    p.add_argument("--sa-token-path", default=SA_TOKEN, help=argparse.SUPPRESS)  # tests point it elsewhere
+    add_program_flags(p, PreflightSettings)
 
 
 def _check_usage(args: argparse.Namespace) -> list[str]:

@@ -6,22 +6,17 @@ UNCHECKED finding saying why (the verdict turns that into Unknown, never True). 
 between cycles itself (a scanner's cache, a tracker's window); what it shares with the probes after it in the
 same cycle goes in its result's `payload`, which the context hands on by check.
 
-A probe module declares its own settings rows beside it (`SETTINGS`, agent/settings.py's `Setting`): config.py
-gathers them, and flags, environment names, file keys, the chart schema and docs/configuration.md follow."""
+A probe module declares its own settings section beside it (a frozen dataclass of agent/settings.py `setting`
+fields) and its registry row (registry.py) names it: flags, environment names, file keys, the chart schema's
+check and docs/configuration.md follow. A probe is built from its own section, never from the whole Config."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from agent.model import Check, GpuIdentity, PciAddress, ProbeResult
-
-if TYPE_CHECKING:
-    from agent.config import Config
-    from agent.kube.client import KubeApi
-    from agent.kube.slice_cache import SliceCache
-    from agent.probes.nvidia_smi import NvidiaSmiRunner
 
 T = TypeVar("T")
 
@@ -46,6 +41,13 @@ class ProbeContext:
         """The payload of `check`'s result this cycle when it is a `kind`."""
         r = self.results.get(check)
         return r.payload if r is not None and isinstance(r.payload, kind) else None
+
+    def gpu_readings(self, check: Check) -> Sequence[Any] | None:
+        """The per-GPU readings in `check`'s payload this cycle (NVML's snapshot's `gpus`), None without one. The
+        probes after NVML read its samples through this, not its module's types: NVML's module imports theirs."""
+        r = self.results.get(check)
+        gpus = getattr(r.payload, "gpus", None) if r is not None else None
+        return gpus if isinstance(gpus, list | tuple) else None
 
     @property
     def node_asked(self) -> bool:
@@ -74,26 +76,3 @@ class Probe(Protocol):
     check: Check
 
     def read(self, context: ProbeContext) -> ProbeResult: ...
-
-
-@dataclass
-class Shared:
-    """What several probes, or a probe and the kernel-log watcher, share: built once by the suite's owner."""
-
-    clock: Callable[[], float]
-    smi: NvidiaSmiRunner
-    xid_rate: Any  # kernel_log.rate.XidRateTracker: the watcher feeds it, the Xid-rate probe reads it
-    api: KubeApi | None = None  # the node's ResourceSlices (DRA counting, fencing); None: not read
-    slice_cache: SliceCache | None = None  # the runner's watch of them; None: a LIST when needed
-    started: float = 0.0  # the suite's start on `clock` (the device plugin's start-up grace)
-    kernel_log: Callable[[], str | None] = lambda: None  # why the kernel log cannot be read now; None: it can
-    latch_store: Callable[[], str | None] = lambda: None  # why a latch would not survive a restart; None: it would
-
-
-@dataclass(frozen=True)
-class ProbeSpec:
-    """One row of the registry: the check, whether it runs under these settings, and how it is built."""
-
-    check: Check
-    enabled: Callable[[Config], bool]
-    build: Callable[[Config, Shared], Probe]

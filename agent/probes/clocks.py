@@ -18,7 +18,7 @@ from typing import Any
 
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, Severity
 from agent.probes.base import ProbeContext
-from agent.settings import DAY, Setting, in_range, optional, positive, share, to_bool, to_float, to_int
+from agent.settings import DAY, in_range, optional, positive, setting, share, to_bool, to_float, to_int
 
 HW_SLOWDOWN = 0x8
 HW_THERMAL_SLOWDOWN = 0x40
@@ -36,11 +36,26 @@ NOT_SUPPORTED = 3  # NVML_ERROR_NOT_SUPPORTED
 class ClockThresholds:
     """Settings of the clock-event probe (docs/degradation.md has each default and its source)."""
 
-    enabled: bool = True
-    window_s: float = 600.0  # gpud hw-slowdown: 10 minute window
-    max_slowed_share: float = 0.3  # gpud: >= 0.6 events/min over 10 min = 6 of 20 polls at 30 s
-    min_samples: int = 5  # fewer samples in the window: not judged yet
-    margin_min_c: float | None = None  # thermal margin at or below this is degraded; None = off (gpud default)
+    enabled: bool = setting(to_bool, True, "count hardware clock slowdowns over a window (NVML)", name="clock_events")
+    # gpud hw-slowdown: 10 minute window
+    window_s: float = setting(
+        positive(to_float, DAY), 600.0, "window for the clock-slowdown share, seconds", name="clock_window"
+    )
+    # gpud: >= 0.6 events/min over 10 min = 6 of 20 polls at 30 s
+    max_slowed_share: float = setting(
+        share, 0.3, "share of slowed samples in the window that is degraded", name="clock_max_slowed_share"
+    )
+    # fewer samples in the window: not judged yet
+    min_samples: int = setting(
+        in_range(to_int, 1, 100_000), 5, "fewer samples in the window: not judged", name="clock_min_samples"
+    )
+    # thermal margin at or below this is degraded; None = off (gpud default)
+    margin_min_c: float | None = setting(
+        optional(in_range(to_float, -100, 200)),
+        None,
+        "thermal margin (C) at or below which a GPU is degraded (unset: off)",
+        name="thermal_margin_min",
+    )
     max_samples: int = 1024  # history bound per GPU
 
     def __post_init__(self) -> None:
@@ -163,27 +178,11 @@ class ClocksProbe:
         self.tracker = tracker
 
     def read(self, context: ProbeContext) -> ProbeResult:
-        from agent.probes.nvml import NvmlSnapshot  # NVML's module imports this one
-
-        snap, now = context.payload(Check.NVML, NvmlSnapshot), context.now
-        if snap is not None:
-            gpus = [g for g in snap.gpus if g.address is not None]
+        gpus, now = context.gpu_readings(Check.NVML), context.now
+        if gpus is not None:
+            gpus = [g for g in gpus if g.address is not None]
             for g in gpus:
-                if g.address is not None and g.clock is not None:
+                if g.clock is not None:
                     self.tracker.observe(g.address, g.clock, now)
-            self.tracker.forget_except(g.address for g in gpus if g.address is not None)
+            self.tracker.forget_except(g.address for g in gpus)
         return ProbeResult.of(Check.CLOCKS, self.tracker.findings(now))
-
-
-SETTINGS = (
-    Setting("clock_events", to_bool, True, "count hardware clock slowdowns over a window (NVML)"),
-    Setting("clock_window", positive(to_float, DAY), 600.0, "window for the clock-slowdown share, seconds"),
-    Setting("clock_max_slowed_share", share, 0.3, "share of slowed samples in the window that is degraded"),
-    Setting("clock_min_samples", in_range(to_int, 1, 100_000), 5, "fewer samples in the window: not judged"),
-    Setting(
-        "thermal_margin_min",
-        optional(in_range(to_float, -100, 200)),
-        None,
-        "thermal margin (C) at or below which a GPU is degraded (unset: off)",
-    ),
-)

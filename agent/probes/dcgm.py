@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, Severity
 from agent.probes.base import ProbeContext
-from agent.settings import Setting, metrics_url, optional, positive, to_bool, to_float
+from agent.settings import metrics_url, optional, positive, setting, to_bool, to_float
 
 HEALTH = "DCGM_EXP_GPU_HEALTH_STATUS"
 XID = "DCGM_FI_DEV_XID_ERRORS"
@@ -40,9 +40,20 @@ MAX_LINE = 4096  # longer lines are skipped unread
 class DcgmThresholds:
     """Settings of the dcgm-exporter cross-check (docs/degradation.md)."""
 
-    address: str | None = None  # e.g. http://$(NODE_IP):9400/metrics; None = off (opt-in)
-    required: bool = False  # unreachable exporter: "could not check" instead of informational
-    timeout_s: float = 5.0
+    # e.g. http://$(NODE_IP):9400/metrics; None = off (opt-in)
+    address: str | None = setting(
+        optional(metrics_url),
+        None,
+        "dcgm-exporter metrics address on this node (host:port or URL; unset: cross-check off)",
+        name="dcgm_exporter",
+    )
+    # unreachable exporter: "could not check" instead of informational
+    required: bool = setting(
+        to_bool, False, "an unreachable dcgm-exporter is 'could not check' (else informational)", name="dcgm_required"
+    )
+    timeout_s: float = setting(
+        positive(to_float, 600), 5.0, "timeout for one dcgm-exporter scrape, seconds", name="dcgm_timeout"
+    )
     max_bytes: int = 8 * 1024 * 1024  # a 8-GPU exporter with the default counters serves ~0.3 MiB
     node_name: str | None = None  # ignore series whose hostname label names another host
 
@@ -253,15 +264,3 @@ class DcgmProbe:
         snap = context.payload(Check.NVML, NvmlSnapshot)
         uuids = {g.uuid: g.address for g in (snap.gpus if snap else ()) if g.uuid and g.address is not None}
         return ProbeResult.of(Check.DCGM, dcgm_findings(self.thresholds, uuids))
-
-
-SETTINGS = (
-    Setting(
-        "dcgm_exporter",
-        optional(metrics_url),
-        None,
-        "dcgm-exporter metrics address on this node (host:port or URL; unset: cross-check off)",
-    ),
-    Setting("dcgm_required", to_bool, False, "an unreachable dcgm-exporter is 'could not check' (else informational)"),
-    Setting("dcgm_timeout", positive(to_float, 600), 5.0, "timeout for one dcgm-exporter scrape, seconds"),
-)

@@ -19,7 +19,7 @@ from agent.model import Check, Finding, PciAddress, ProbeResult, Reason
 from agent.probes.base import ProbeContext
 from agent.probes.pci import PciScanKey
 from agent.probes.sysfs import READER, SysfsReader, read_bytes
-from agent.settings import Setting, to_bool, to_str
+from agent.settings import setting, to_bool, to_str
 
 _GPU_NODE = re.compile(r"^nvidia(\d{1,3})$")
 _MINOR = re.compile(r"^Device Minor:\s*(\d{1,3})\s*$", re.MULTILINE)
@@ -30,9 +30,13 @@ MAX_ENTRIES = 4096  # entries of the dev root looked at
 class DeviceNodeThresholds:
     """Settings of the device-node probe (docs/degradation.md)."""
 
-    enabled: bool = True
-    dev_root: str = "/dev"
-    require_uvm: bool = True  # /dev/nvidia-uvm (CUDA needs it; nvidia-smi does not)
+    enabled: bool = setting(
+        to_bool, True, "check the NVIDIA device nodes (nvidiactl, nvidia-uvm, nvidia<N>)", name="device_nodes"
+    )
+    dev_root: str = setting(to_str, "/dev", "where the device nodes are (/run/nvidia/driver/dev: driver container)")
+    # /dev/nvidia-uvm (CUDA needs it; nvidia-smi does not)
+    require_uvm: bool = setting(to_bool, True, "/dev/nvidia-uvm is required (every CUDA program needs it)")
+    proc_root: str = setting(to_str, "/proc", "procfs to read GPU minor numbers from (driver/nvidia/gpus/<bdf>)")
 
 
 def _char_device(path: str) -> bool | None:
@@ -176,11 +180,3 @@ class DeviceNodesProbe:
         mig = any(g.mig_enabled for r in context.results.values() for g in r.gpus)
         findings = device_node_findings(self.thresholds, minors=minors, gpu_count=len(on_pci), mig_enabled=mig)
         return ProbeResult.of(Check.DEVICE_NODES, findings)
-
-
-SETTINGS = (
-    Setting("device_nodes", to_bool, True, "check the NVIDIA device nodes (nvidiactl, nvidia-uvm, nvidia<N>)"),
-    Setting("dev_root", to_str, "/dev", "where the device nodes are (/run/nvidia/driver/dev: driver container)"),
-    Setting("require_uvm", to_bool, True, "/dev/nvidia-uvm is required (every CUDA program needs it)"),
-    Setting("proc_root", to_str, "/proc", "procfs to read GPU minor numbers from (driver/nvidia/gpus/<bdf>)"),
-)

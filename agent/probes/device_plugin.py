@@ -16,11 +16,11 @@ from agent.settings import (
     DAY,
     RUN_ONLY,
     WITH_NODE,
-    Setting,
     choice,
     in_range,
     non_negative,
     optional,
+    setting,
     to_float,
     to_int,
 )
@@ -274,26 +274,25 @@ def mig_counts(gpus: Sequence[GpuIdentity]) -> MigCounts | None:
     return counts
 
 
-SETTINGS = (
-    Setting(
-        "mig_strategy",
+@dataclass(frozen=True)
+class DevicePluginSettings:
+    """Settings of the device-plugin check."""
+
+    mig_strategy: str = setting(
         choice("auto", "none", "single", "mixed"),
         "auto",
         "device plugin MIG strategy (auto: from the nvidia.com/mig.strategy label)",
         commands=WITH_NODE,
-    ),
-    Setting(
-        "replicas",
+    )
+    replicas: int | None = setting(
         optional(in_range(to_int, 1, 1_000_000)),
         None,
         "time-slicing/MPS replicas (default: the nvidia.com/gpu.replicas label, else 1)",
         commands=WITH_NODE,
-    ),
-    Setting(
-        "plugin_grace",
+    )
+    plugin_grace: float = setting(
         non_negative(to_float, DAY),
         300.0,
         "seconds after start before a missing device-plugin resource is a fault",
         commands=RUN_ONLY,
-    ),
-)
+    )

@@ -31,9 +31,10 @@ from typing import Any
 
 from agent.kube.slices import DEFAULT_DRIVER, MAX_SLICES, SliceRead, read_node_slices
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason
-from agent.probes.base import ProbeContext, Shared
+from agent.probes.base import ProbeContext
 from agent.probes.device_plugin import MigCounts, mig_counts, plugin_counts, probe_device_plugin
-from agent.settings import WITH_NODE, Setting, dns_subdomain, to_bool
+from agent.probes.shared import Shared
+from agent.settings import WITH_NODE, dns_subdomain, setting, to_bool
 
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 TYPE_GPU, TYPE_MIG, TYPE_VFIO = "gpu", "mig", "vfio"
@@ -437,20 +438,17 @@ class GpuServingProbe:
         return self._slices
 
 
-SETTINGS = (
-    Setting(
-        "dra_counting",
+@dataclass(frozen=True)
+class DraSettings:
+    """Settings of the DRA counting (and the driver fencing acts on)."""
+
+    dra_counting: bool = setting(
         to_bool,
         True,
         "count GPUs from the node's DRA ResourceSlices where they exist (the device-plugin check defers to them; "
         "docs/fencing.md)",
         commands=WITH_NODE,
-    ),
-    Setting(
-        "dra_driver",
-        dns_subdomain,
-        "gpu.nvidia.com",
-        "DRA driver whose devices are counted and fenced",
-        commands=WITH_NODE,
-    ),
-)
+    )
+    dra_driver: str = setting(
+        dns_subdomain, DEFAULT_DRIVER, "DRA driver whose devices are counted and fenced", commands=WITH_NODE
+    )

@@ -40,7 +40,7 @@ from typing import Any
 
 from agent.model import Check, Finding, PciAddress, ProbeResult, Reason
 from agent.probes.base import ProbeContext
-from agent.settings import Setting, choice
+from agent.settings import choice, setting
 
 NOT_APPLICABLE = "N/A"
 NOT_APPLICABLE_WORDS = frozenset({NOT_APPLICABLE, "Not Supported", ""})  # how nvidia-smi says "no fabric"
@@ -412,11 +412,12 @@ class FabricProbe:
         return ProbeResult.of(Check.FABRIC, (Finding.unchecked(Check.FABRIC, message),))
 
 
-SETTINGS = (
-    Setting(
-        "fabric",
+@dataclass(frozen=True)
+class FabricSettings:
+    """Settings of the NVLink fabric probe."""
+
+    fabric: str = setting(
         choice("auto", "nvml", "nvidia-smi", "off"),
         "auto",
         "NVLink fabric state per GPU: auto = NVML when read, else nvidia-smi -q (docs/fabric.md)",
-    ),
-)
+    )

@@ -31,7 +31,7 @@ from agent.probes.base import ProbeContext
 from agent.probes.bounded import Blocked
 from agent.probes.fabric import FabricReport
 from agent.probes.sysfs import READER, SysfsReader, read_bytes
-from agent.settings import Setting, host_port, optional, to_bool
+from agent.settings import host_port, optional, setting, to_bool
 
 NVIDIA = 0x10DE
 NVSWITCH_CLASS = 0x0680  # bridge, other
@@ -178,17 +178,15 @@ class FabricManagerProbe:
         return ProbeResult.of(Check.FABRIC_MANAGER, (Finding.unchecked(Check.FABRIC_MANAGER, message),))
 
 
-SETTINGS = (
-    Setting(
-        "fabric_manager",
-        to_bool,
-        True,
-        "judge the fabric manager on NVSwitch systems (not running or not finished: FabricNotReady)",
-    ),
-    Setting(
-        "fabric_manager_address",
+@dataclass(frozen=True)
+class FabricManagerSettings:
+    """Settings of the fabric manager probe."""
+
+    fabric_manager: bool = setting(
+        to_bool, True, "judge the fabric manager on NVSwitch systems (not running or not finished: FabricNotReady)"
+    )
+    fabric_manager_address: str | None = setting(
         optional(host_port),
         None,
         "the fabric manager's command port to connect to each poll, e.g. 127.0.0.1:6666 (host network; unset: off)",
-    ),
-)
+    )

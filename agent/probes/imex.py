@@ -19,11 +19,12 @@ The tool runs under the same supervision as nvidia-smi (hard timeout, output cap
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from agent.model import Check, Finding, ProbeResult, Reason
 from agent.probes.base import ProbeContext
 from agent.proc import SupervisedRunner
-from agent.settings import Setting, choice, positive, to_bool, to_float, to_str
+from agent.settings import choice, positive, setting, to_bool, to_float, to_str
 
 _STATE = re.compile(r"^\s*([A-Z][A-Z_]{1,31})\s*$")
 READY = "READY"
@@ -90,15 +91,16 @@ class ImexProbe:
         return ProbeResult.of(Check.IMEX, payload={"state": READY})
 
 
-SETTINGS = (
-    Setting("imex", to_bool, False, "judge the IMEX daemon's readiness (NVL72-class systems; idle is not a fault)"),
-    Setting("imex_ctl", to_str, "nvidia-imex-ctl", "the IMEX control tool (run as `<imexCtl> -q` each poll)"),
-    Setting("imex_timeout", positive(to_float, 3600), 10.0, "seconds one IMEX query may take"),
-    Setting(
-        "imex_daemon",
+@dataclass(frozen=True)
+class ImexSettings:
+    """Settings of the IMEX probe."""
+
+    imex: bool = setting(to_bool, False, "judge the IMEX daemon's readiness (NVL72-class systems; idle is not a fault)")
+    imex_ctl: str = setting(to_str, "nvidia-imex-ctl", "the IMEX control tool (run as `<imexCtl> -q` each poll)")
+    imex_timeout: float = setting(positive(to_float, 3600), 10.0, "seconds one IMEX query may take")
+    imex_daemon: str = setting(
         choice("dra", "host"),
         "dra",
         "where the IMEX daemon runs: dra = per ComputeDomain (not running: idle); host = a service of the node "
         "(not running: FabricNotReady)",
-    ),
-)
+    )

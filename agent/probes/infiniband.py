@@ -56,7 +56,7 @@ from agent.model import Check, Finding, PciAddress, ProbeResult, Reason
 from agent.probes.base import ProbeContext
 from agent.probes.bounded import Blocked
 from agent.probes.sysfs import READER, SysfsReader, read_bytes
-from agent.settings import DAY, Setting, in_range, optional, positive, to_bool, to_float, to_int, to_str
+from agent.settings import DAY, in_range, optional, positive, setting, to_bool, to_float, to_int, to_str
 
 ACTIVE, LINK_UP = 4, 5
 MAX_DEVICES = 1024  # InfiniBand devices read per cycle (an 8-rail node has 8 to 10; SR-IOV adds one per VF)
@@ -342,9 +342,58 @@ def port_findings(
 
 
 @dataclass(frozen=True)
+class InfinibandSettings:
+    """Settings of the InfiniBand probe (IbThresholds is built from them)."""
+
+    infiniband: bool = setting(to_bool, True, "judge the InfiniBand/RoCE ports in sysfs (a rail down: GPUDegraded)")
+    expected_nics: int | None = setting(
+        optional(in_range(to_int, 0, MAX_EXPECTED_NICS)),
+        None,
+        "InfiniBand devices this node must have (unset: not judged)",
+    )
+    ib_min_rate_gbps: float | None = setting(
+        optional(positive(to_float, 10_000)),
+        None,
+        "an active InfiniBand port below this rate (Gb/s) is degraded (unset: see ibRatePeers)",
+    )
+    ib_rate_peers: bool = setting(
+        to_bool,
+        True,
+        "with ibMinRateGbps unset, an active port below the node's fastest port of its link layer is degraded",
+    )
+    ib_flap_count: int = setting(
+        in_range(to_int, 1, MAX_FLAPS),
+        3,
+        "an InfiniBand port that went down this many times within ibFlapWindow is flapping (GPUDegraded)",
+    )
+    ib_flap_window: float = setting(
+        positive(to_float, DAY), 600.0, "seconds over which InfiniBand link downs are counted"
+    )
+    require_gpu_direct: bool = setting(
+        to_bool, False, "the nvidia_peermem module (GPUDirect RDMA) must be loaded; missing: GPUDegraded"
+    )
+    rail_devices: tuple[str, ...] | None = setting(
+        optional(lambda v: rail_patterns(v)),
+        None,
+        "InfiniBand devices (names or globs) judged as rails besides those beside a GPU; others are front-end",
+    )
+
+    def thresholds(self) -> IbThresholds:
+        """What the probe judges with, from these settings."""
+        return IbThresholds(
+            self.expected_nics,
+            self.ib_min_rate_gbps,
+            self.ib_rate_peers,
+            FlapThresholds(self.ib_flap_count, self.ib_flap_window),
+            self.require_gpu_direct,
+            self.rail_devices or (),
+        )
+
+
+@dataclass(frozen=True)
 class FlapThresholds:
-    count: int = 3
-    window_s: float = 600.0
+    count: int = InfinibandSettings.ib_flap_count
+    window_s: float = InfinibandSettings.ib_flap_window
 
 
 class FlapTracker:
@@ -496,9 +545,9 @@ class RailReport:
 class IbThresholds:
     expected_nics: int | None = None
     min_rate_gbps: float | None = None
-    rate_peers: bool = True
+    rate_peers: bool = InfinibandSettings.ib_rate_peers
     flaps: FlapThresholds = FlapThresholds()
-    require_gpudirect: bool = False
+    require_gpudirect: bool = InfinibandSettings.require_gpu_direct
     rail_devices: tuple[str, ...] = ()  # names or globs of devices that are rails besides those beside a GPU
 
 
@@ -581,45 +630,3 @@ def rail_patterns(v: Any) -> tuple[str, ...]:
             raise ValueError(f"expected an InfiniBand device name or glob, got {x[:60]!r}")
         out.append(x)
     return tuple(out)
-
-
-SETTINGS = (
-    Setting("infiniband", to_bool, True, "judge the InfiniBand/RoCE ports in sysfs (a rail down: GPUDegraded)"),
-    Setting(
-        "expected_nics",
-        optional(in_range(to_int, 0, MAX_EXPECTED_NICS)),
-        None,
-        "InfiniBand devices this node must have (unset: not judged)",
-    ),
-    Setting(
-        "ib_min_rate_gbps",
-        optional(positive(to_float, 10_000)),
-        None,
-        "an active InfiniBand port below this rate (Gb/s) is degraded (unset: see ibRatePeers)",
-    ),
-    Setting(
-        "ib_rate_peers",
-        to_bool,
-        True,
-        "with ibMinRateGbps unset, an active port below the node's fastest port of its link layer is degraded",
-    ),
-    Setting(
-        "ib_flap_count",
-        in_range(to_int, 1, MAX_FLAPS),
-        3,
-        "an InfiniBand port that went down this many times within ibFlapWindow is flapping (GPUDegraded)",
-    ),
-    Setting("ib_flap_window", positive(to_float, DAY), 600.0, "seconds over which InfiniBand link downs are counted"),
-    Setting(
-        "require_gpu_direct",
-        to_bool,
-        False,
-        "the nvidia_peermem module (GPUDirect RDMA) must be loaded; missing: GPUDegraded",
-    ),
-    Setting(
-        "rail_devices",
-        optional(rail_patterns),
-        None,
-        "InfiniBand devices (names or globs) judged as rails besides those beside a GPU; others are front-end",
-    ),
-)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult, Reason, Severity
 from agent.probes.base import ProbeContext
 from agent.proc import Run, SupervisedRunner
-from agent.settings import Setting, positive, to_float, to_str
+from agent.settings import positive, setting, to_float, to_str
 
 # Every pattern here runs on one line cut to MAX_LINE characters, and none has two unbounded quantifiers
 # that can match the same text, so parsing is linear in the input.
@@ -392,7 +392,9 @@ class NvidiaSmiProbe:
         return replace(r, counts={"nvidia_smi": r.count}, inventory=True)
 
 
-SETTINGS = (
-    Setting("nvidia_smi", to_str, "nvidia-smi", "path of nvidia-smi"),
-    Setting("nvidia_smi_timeout", positive(to_float, 3600), 30.0, "hard timeout for one nvidia-smi run, seconds"),
-)
+@dataclass(frozen=True)
+class NvidiaSmiSettings:
+    """Settings of the nvidia-smi probe."""
+
+    nvidia_smi: str = setting(to_str, "nvidia-smi", "path of nvidia-smi")
+    nvidia_smi_timeout: float = setting(positive(to_float, 3600), 30.0, "hard timeout for one nvidia-smi run, seconds")

@@ -31,7 +31,7 @@ from agent.probes.bounded import Blocked, BoundedCalls
 from agent.probes.clocks import ClockSample, nvml_clock_sample
 from agent.probes.fabric import FabricInfo, nvml_fabric
 from agent.probes.pcie import GpuLoad, nvml_pcie_load
-from agent.settings import Setting, choice, in_range, optional, positive, to_bool, to_float, to_int, to_str
+from agent.settings import choice, in_range, optional, positive, setting, to_bool, to_float, to_int, to_str
 
 FI_DEV_GET_GPU_RECOVERY_ACTION = 230
 RECOVERY_ACTIONS = {
@@ -490,20 +490,20 @@ def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-SETTINGS = (
-    Setting("nvml", choice("auto", "on", "off"), "auto", "NVML checks: auto = when libnvidia-ml loads"),
-    Setting("nvml_timeout", positive(to_float, 3600), 10.0, "deadline for one NVML call, seconds"),
-    Setting("nvml_nvlink", to_bool, True, "report NVLink links down (NVML)"),
-    Setting(
-        "expected_nvlinks",
+@dataclass(frozen=True)
+class NvmlSettings:
+    """Settings of the NVML probe."""
+
+    nvml: str = setting(choice("auto", "on", "off"), "auto", "NVML checks: auto = when libnvidia-ml loads")
+    nvml_timeout: float = setting(positive(to_float, 3600), 10.0, "deadline for one NVML call, seconds")
+    nvml_nvlink: bool = setting(to_bool, True, "report NVLink links down (NVML)")
+    expected_nvlinks: int | None = setting(
         optional(in_range(to_int, 0, MAX_NVLINKS)),
         None,
         "NVLinks every GPU of this node must have up (unset: only links seen up or connected are judged)",
-    ),
-    Setting(
-        "nvlink_profiles",
+    )
+    nvlink_profiles: tuple[tuple[str, int], ...] | None = setting(
         optional(nvlink_profiles),
         None,
         "NVLinks up per GPU model, '<model glob>=<links>' comma list (overrides expectedNvlinks for that model)",
-    ),
-)
+    )

@@ -11,7 +11,7 @@ from agent.model import Check, Finding, GpuIdentity, PciAddress, ProbeResult
 from agent.probes.base import ProbeContext
 from agent.probes.bounded import Blocked
 from agent.probes.sysfs import READER, SysfsReader, read_bytes
-from agent.settings import Setting, to_str
+from agent.settings import setting, to_str
 
 NVIDIA_VENDOR = 0x10DE
 GPU_CLASSES = (0x0300, 0x0302)
@@ -153,4 +153,8 @@ class PciScanKey:
     key: tuple[tuple[str, int, str | None], ...]
 
 
-SETTINGS = (Setting("sysfs_root", to_str, "/sys", "sysfs mount to count PCI GPUs in"),)
+@dataclass(frozen=True)
+class PciSettings:
+    """Settings of the PCI probe (the sysfs mount the sysfs probes read)."""
+
+    sysfs_root: str = setting(to_str, "/sys", "sysfs mount to count PCI GPUs in")

@@ -25,7 +25,7 @@ from agent.model import Check, Finding, PciAddress, ProbeResult, Reason, Severit
 from agent.probes.base import ProbeContext
 from agent.probes.pci import PciScanKey
 from agent.probes.sysfs import READER, SysfsReader, read_bytes
-from agent.settings import Setting, in_range, to_bool, to_int
+from agent.settings import in_range, setting, to_bool, to_int
 
 _BDF = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 _SPEED = re.compile(r"^\s*(\d{1,3}(?:\.\d{1,3})?)\s*GT/s")
@@ -38,10 +38,24 @@ GEN_BY_GTS = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
 class PcieThresholds:
     """Settings of the PCIe link probe (docs/degradation.md has each default and its source)."""
 
-    enabled: bool = True
-    check_bridges: bool = True  # also judge the links above the GPU (switch / root ports)
-    check_speed: bool = True  # judge the speed (only while busy)
-    busy_utilization_pct: int = 50  # GPU utilisation at or above which the speed is judged
+    enabled: bool = setting(
+        to_bool, True, "judge PCIe links from sysfs (width below what both ends can do: GPUDegraded)", name="pcie"
+    )
+    # also judge the links above the GPU (switch / root ports)
+    check_bridges: bool = setting(
+        to_bool, True, "also judge the PCIe links above each GPU (switch and root ports)", name="pcie_bridges"
+    )
+    # judge the speed (only while busy)
+    check_speed: bool = setting(
+        to_bool, True, "judge PCIe link speed too (only while NVML says the GPU is busy)", name="pcie_speed"
+    )
+    # GPU utilisation at or above which the speed is judged
+    busy_utilization_pct: int = setting(
+        in_range(to_int, 0, 100),
+        50,
+        "NVML GPU utilisation % at which PCIe speed is judged",
+        name="pcie_busy_utilization",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.busy_utilization_pct <= 100:
@@ -353,14 +367,12 @@ class PcieProbe:
         self.cache = LinkCache()
 
     def read(self, context: ProbeContext) -> ProbeResult:
-        from agent.probes.nvml import NvmlSnapshot  # NVML's module imports this one
-
         pci, scan = context.ran(Check.PCI), context.payload(Check.PCI, PciScanKey)
         on_pci = sorted(pci.addresses) if pci is not None else []
         if not on_pci:
             return ProbeResult(Check.PCIE)
-        snap = context.payload(Check.NVML, NvmlSnapshot)
-        load = {g.address: g.load for g in (snap.gpus if snap else ()) if g.address is not None and g.load is not None}
+        gpus = context.gpu_readings(Check.NVML) or ()
+        load = {g.address: g.load for g in gpus if g.address is not None and g.load is not None}
         self.cache.refresh(scan.key if scan is not None else None)
         try:
             findings = self.reader.run(
@@ -369,13 +381,3 @@ class PcieProbe:
         except OSError as e:  # Blocked: a link file did not answer within the deadline (a later read of it: per GPU)
             return ProbeResult.of(Check.PCIE, (Finding.unchecked(Check.PCIE, f"PCIe links: {e}", kind="unreadable"),))
         return ProbeResult.of(Check.PCIE, findings)
-
-
-SETTINGS = (
-    Setting("pcie", to_bool, True, "judge PCIe links from sysfs (width below what both ends can do: GPUDegraded)"),
-    Setting("pcie_bridges", to_bool, True, "also judge the PCIe links above each GPU (switch and root ports)"),
-    Setting("pcie_speed", to_bool, True, "judge PCIe link speed too (only while NVML says the GPU is busy)"),
-    Setting(
-        "pcie_busy_utilization", in_range(to_int, 0, 100), 50, "NVML GPU utilisation % at which PCIe speed is judged"
-    ),
-)

@@ -36,8 +36,9 @@ from agent.allocation import (
 )
 from agent.kube.grpc_unix import GrpcError, unary_call
 from agent.model import Check, Finding, PciAddress, ProbeResult
-from agent.probes.base import ProbeContext, Shared
-from agent.settings import DAY, RUN_ONLY, WITH_NODE, Setting, absolute_path, positive, to_bool, to_float
+from agent.probes.base import ProbeContext
+from agent.probes.shared import Shared
+from agent.settings import DAY, RUN_ONLY, WITH_NODE, absolute_path, positive, setting, to_bool, to_float
 
 DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 LIST = "/v1.PodResourcesLister/List"
@@ -274,26 +275,26 @@ class AllocationProbe:
         return self._smi_list
 
 
-SETTINGS = (
-    Setting(
-        "pod_resources",
+@dataclass(frozen=True)
+class PodResourcesSettings:
+    """Settings of the pod-resources reader (the allocation map)."""
+
+    # `gpus` always reads it
+    pod_resources: bool = setting(
         to_bool,
         False,
         "read kubelet's pod-resources API each poll: which pods hold which GPU (docs/allocation.md)",
-        commands=WITH_NODE,  # `gpus` always reads it
-    ),
-    Setting(
-        "pod_resources_socket",
+        commands=WITH_NODE,
+    )
+    pod_resources_socket: str = setting(
         absolute_path,
         DEFAULT_SOCKET,
         "kubelet's pod-resources socket (mount its directory: kubelet re-creates the socket)",
-    ),
-    Setting(
-        "pod_resources_interval",
+    )
+    pod_resources_interval: float = setting(
         positive(to_float, DAY),
         1.0,
         "read pod-resources at most this often, seconds (kubelet rate-limits the endpoint)",
         commands=RUN_ONLY,
-    ),
-    Setting("pod_resources_timeout", positive(to_float, 600), 5.0, "timeout for one pod-resources call, seconds"),
-)
+    )
+    pod_resources_timeout: float = setting(positive(to_float, 600), 5.0, "timeout for one pod-resources call, seconds")

@@ -39,10 +39,10 @@ from agent.settings import (
     DAY,
     RUN_ONLY,
     WITH_NODE,
-    Setting,
     choice_exact,
     in_range,
     positive,
+    setting,
     to_bool,
     to_float,
     to_int,
@@ -423,33 +423,28 @@ class FenceResult:
         }
 
 
-SETTINGS = (
-    Setting(
-        "fencing",
-        to_bool,
-        False,
-        "one DeviceTaintRule per device of a faulty GPU (DRA nodes; docs/fencing.md)",
-        commands=RUN_ONLY,
-    ),
-    Setting(
-        "fencing_effect",
+@dataclass(frozen=True)
+class FencingSection:
+    """Settings of DRA fencing."""
+
+    fencing: bool = setting(
+        to_bool, False, "one DeviceTaintRule per device of a faulty GPU (DRA nodes; docs/fencing.md)", commands=RUN_ONLY
+    )
+    fencing_effect: str = setting(
         choice_exact("None", "NoSchedule", "NoExecute"),
         "None",
         "effect of the DeviceTaintRules: None (dry run), NoSchedule or NoExecute (evicts pods); spelled exactly",
         commands=WITH_NODE,
-    ),
-    Setting(
-        "fencing_max_rules",
+    )
+    fencing_max_rules: int = setting(
         in_range(to_int, 1, 1024),
-        128,
+        DEFAULT_MAX_RULES,
         "DeviceTaintRules per node at most (1 to 1024)",
         commands=WITH_NODE,
-    ),
-    Setting(
-        "fencing_resync",
+    )
+    fencing_resync: float = setting(
         positive(to_float, DAY),
         300.0,
         "re-list the DeviceTaintRules this often, seconds (while the verdict asks for the same rules)",
         commands=RUN_ONLY,
-    ),
-)
+    )

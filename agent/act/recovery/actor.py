@@ -65,11 +65,11 @@ from agent.proc import Run, SupervisedRunner
 from agent.settings import (
     DAY,
     RUN_ONLY,
-    Setting,
     dns_subdomain,
     in_range,
     optional,
     positive,
+    setting,
     to_bool,
     to_float,
     to_int,
@@ -823,89 +823,75 @@ def build(
     return RecoveryWorker(actor, wake, log)
 
 
-SETTINGS = (
-    Setting(
-        "recovery",
+@dataclass(frozen=True)
+class RecoverySection:
+    """Settings of per-GPU recovery."""
+
+    recovery: bool = setting(
         to_bool,
         False,
         "per-GPU recovery: drain, reset, prove and return a GPU whose fault a reset heals (docs/recovery.md)",
         commands=RUN_ONLY,
-    ),
-    Setting(
-        "recovery_drain_timeout",
+    )
+    recovery_drain_timeout: float = setting(
         positive(to_float, DAY),
         600.0,
         "seconds to wait for the pods (then the processes) on a GPU to go before its recovery escalates",
         commands=RUN_ONLY,
-    ),
-    Setting(
-        "recovery_evict", to_bool, False, "evict the pods holding a GPU to recover it (else wait)", commands=RUN_ONLY
-    ),
-    Setting(
-        "recovery_reset_timeout", positive(to_float, 3600), 120.0, "seconds a GPU reset may take", commands=RUN_ONLY
-    ),
-    Setting(
-        "recovery_proof_command",
+    )
+    recovery_evict: bool = setting(
+        to_bool, False, "evict the pods holding a GPU to recover it (else wait)", commands=RUN_ONLY
+    )
+    recovery_reset_timeout: float = setting(
+        positive(to_float, 3600), 120.0, "seconds a GPU reset may take", commands=RUN_ONLY
+    )
+    recovery_proof_command: str | None = setting(
         optional(lambda v: _proof_command(v)),
         None,
         "command proving one GPU after its reset ({index}, {bus_id} replaced); exit 0 passes (unset: hard checks only)",
         commands=RUN_ONLY,
-    ),
-    Setting(
-        "recovery_proof_timeout",
-        positive(to_float, DAY),
-        600.0,
-        "seconds the proof command may take",
-        commands=RUN_ONLY,
-    ),
-    Setting(
-        "recovery_budget", in_range(to_int, 0, 100), 2, "GPU resets per GPU within recoveryWindow", commands=RUN_ONLY
-    ),
-    Setting(
-        "recovery_window",
-        positive(to_float, 30 * DAY),
-        86400.0,
-        "the retry budget's window, seconds",
-        commands=RUN_ONLY,
-    ),
-    Setting(
-        "recovery_settle_timeout",
+    )
+    recovery_proof_timeout: float = setting(
+        positive(to_float, DAY), 600.0, "seconds the proof command may take", commands=RUN_ONLY
+    )
+    recovery_budget: int = setting(
+        in_range(to_int, 0, 100), 2, "GPU resets per GPU within recoveryWindow", commands=RUN_ONLY
+    )
+    recovery_window: float = setting(
+        positive(to_float, 30 * DAY), 86400.0, "the retry budget's window, seconds", commands=RUN_ONLY
+    )
+    recovery_settle_timeout: float = setting(
         positive(to_float, DAY),
         300.0,
         "seconds a reset GPU may take to settle (fabric trained, no recovery action or row remap pending) before "
         "its proof fails",
         commands=RUN_ONLY,
-    ),
-    Setting(
-        "recovery_burst_window",
+    )
+    recovery_burst_window: float = setting(
         in_range(to_float, 0, DAY),
         600.0,
         "a second GPU needing a reset within this many seconds stops every ladder of the node (one baseboard); 0: off",
         commands=RUN_ONLY,
-    ),
-    Setting(
-        "recovery_release_holders",
+    )
+    recovery_release_holders: tuple[tuple[str, str], ...] = setting(
         lambda v: _holders(v),
         (),
         "namespace/daemonset list: their pod on this node (the device plugin, DCGM, dcgm-exporter) is deleted before "
         "a GPU reset to release its handles (its DaemonSet starts it again)",
         commands=RUN_ONLY,
-    ),
-    Setting(
-        "recovery_plugin_namespace",
+    )
+    recovery_plugin_namespace: str | None = setting(
         optional(dns_subdomain),
         None,
         "namespace of the device plugin DaemonSet restarted after a recovery",
         commands=RUN_ONLY,
-    ),
-    Setting(
-        "recovery_plugin_daemonset",
+    )
+    recovery_plugin_daemonset: str | None = setting(
         optional(dns_subdomain),
         None,
         "the device plugin DaemonSet whose pod on this node is restarted after a recovery",
         commands=RUN_ONLY,
-    ),
-)
+    )
 
 
 def _holders(v: Any) -> tuple[tuple[str, str], ...]:

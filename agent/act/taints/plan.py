@@ -34,7 +34,7 @@ from typing import Any
 from agent.clock import rfc3339
 from agent.model import TAINT_EFFECTS, Status
 from agent.names import CONDITION_TYPE, TAINT_KEY
-from agent.settings import RUN_ONLY, WITH_NODE, Setting, choice, own_taint_key, to_bool
+from agent.settings import RUN_ONLY, WITH_NODE, choice, own_taint_key, setting, to_bool
 
 NO_SCHEDULE = "NoSchedule"
 NO_EXECUTE = "NoExecute"
@@ -149,29 +149,22 @@ def taint_patch(raw_taints: Any, new: list[dict[str, Any]]) -> list[dict[str, An
     ]
 
 
-SETTINGS = (
-    Setting(
-        "taints",
+@dataclass(frozen=True)
+class TaintSection:
+    """Settings of gpu-ready's taint on its own Node."""
+
+    taints: str = setting(
         choice("off", "startup", "continuous"),
         "off",
         "gpu-ready's taint on its own Node: off, startup (remove when ready) or continuous (docs/taints.md)",
         commands=RUN_ONLY,
-    ),
-    Setting(
-        "taint_key",
-        own_taint_key,
-        TAINT_KEY,
-        "key of gpu-ready's taint (= chart taints.key)",
-        commands=WITH_NODE,
-    ),
-    Setting(
-        "taint_no_execute",
-        to_bool,
-        False,
-        "continuous taints: also NoExecute while a fatal fault is latched",
-        commands=RUN_ONLY,
-    ),
-    Setting(
-        "taint_unknown_as_false", to_bool, False, "continuous taints: Unknown taints like False", commands=RUN_ONLY
-    ),
-)
+    )
+    taint_key: str = setting(
+        own_taint_key, TAINT_KEY, "key of gpu-ready's taint (= chart taints.key)", commands=WITH_NODE
+    )
+    taint_no_execute: bool = setting(
+        to_bool, False, "continuous taints: also NoExecute while a fatal fault is latched", commands=RUN_ONLY
+    )
+    taint_unknown_as_false: bool = setting(
+        to_bool, False, "continuous taints: Unknown taints like False", commands=RUN_ONLY
+    )
