@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.kube.client import KubeApi
+from agent.kube.client import ApiError, KubeApi
 from testkit.cluster import condition
 from testkit.controlplane import ControlPlane, free_port
 from testkit.simhost import SimHost
@@ -56,13 +58,45 @@ def launch_agent(
     return AgentProc(cp, host, node, info["token"], extra=extra, workdir=workdir, kmsg=kmsg).start(), host
 
 
+def returns_within(fn: Callable[[], Any], timeout_s: float, on_stall: Callable[[], None] | None = None) -> Any:
+    """fn() on a daemon thread: its value, or what it raised, raised again here on the test's thread (relayed
+    whole, so that nothing is swallowed). Fails the test when fn has not returned within timeout_s (a stall, not a
+    slow run); `on_stall` runs first (e.g. to unblock the thread)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # relayed to the test's thread below, never dropped
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        if on_stall is not None:
+            on_stall()
+            t.join(timeout_s)
+        raise AssertionError(f"{fn} did not return within {timeout_s}s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+# What a predicate may raise while the thing it waits for is not there yet: the apiserver's refusal or a 404
+# (ApiError), a process or port not up yet (OSError, http.client's errors), a file half written (ValueError), an
+# object without the key or item yet (LookupError), a condition not there yet (TypeError: None["status"]). Anything
+# else is a bug of the test and fails it at once.
+TRANSIENT = (ApiError, OSError, http.client.HTTPException, ValueError, LookupError, TypeError)
+
+
 def wait_for(pred: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
         try:
             last = pred()
-        except Exception as e:  # keep polling through transient errors
+        except TRANSIENT as e:  # keep polling through transient errors
             last = e
         if last and not isinstance(last, Exception):
             return last

@@ -348,16 +348,15 @@ class RealNode:
         self._lock_host()
         t0 = time.monotonic()
         self.host = HostRecord.capture()
-        try:
+        with contextlib.ExitStack() as on_failure:  # what was made is undone unless the node came up
+            on_failure.callback(self.stop)
             self._make_bridge()
             self._make_cgroup_root()
             self._start_containerd(timeout_s)
             self.start_seconds["containerd"] = time.monotonic() - t0
             self._start_kubelet(timeout_s)
             self.start_seconds["node"] = time.monotonic() - t0
-        except BaseException:
-            self.stop()
-            raise
+            on_failure.pop_all()
         return self
 
     def _make_bridge(self) -> None:
@@ -762,11 +761,10 @@ resolvConf: /etc/resolv.conf
                 f"another RealNode of this process still holds {HOST_LOCK} ({', '.join(_HOLDERS)}): stop it first"
             )
         fd = os.open(HOST_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
+        with contextlib.ExitStack() as on_failure:  # closed again unless the lock is held
+            on_failure.callback(os.close, fd)
             wait_for(lambda: _try_flock(fd), HOST_LOCK_WAIT_S, 0.5, f"the host-wide real-node lock {HOST_LOCK}")
-        except BaseException:
-            os.close(fd)
-            raise
+            on_failure.pop_all()
         self._lock_fd = fd
         _HOLDERS.add(self.name)
 

@@ -50,7 +50,7 @@ import json, os, sys, time
 try:
     with open({scenario!r}) as fh:
         sc = json.load(fh)
-except Exception as e:
+except (OSError, ValueError) as e:
     print(f"stand-in: cannot read scenario: {{e}}", file=sys.stderr); sys.exit(255)
 if sys.argv[1:] == ["-q"]:  # the fabric probe's read: counted apart from the table runs (one per check cycle)
     if sc.get("q_count_file"):

@@ -4,6 +4,7 @@ modules share live in testkit/; no module imports this one (pyproject.toml's imp
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,11 +26,10 @@ if TYPE_CHECKING:
 @pytest.fixture(scope="session")
 def control_plane() -> Iterator[ControlPlane]:
     cp = ControlPlane(require_testbin("kube-apiserver", "etcd"))
-    try:
+    with contextlib.ExitStack() as on_failure:  # stopped again unless it started
+        on_failure.callback(cp.stop)
         cp.start()
-    except Exception:
-        cp.stop()
-        raise
+        on_failure.pop_all()
     print(f"\n[control plane] kube-apiserver {cp.host} ready in {cp.start_seconds:.1f}s")
     yield cp
     cp.stop()

@@ -25,6 +25,7 @@ from agent.model import PciAddress, Status, XidEvent
 from agent.preflight import Profile, ProfileError, read_results
 from agent.settings import MAX_NESTING, in_range, load_json, load_yaml, to_float, to_int, to_int_list
 from agent.state import LatchState, read_boot_id
+from testkit.harness import returns_within
 
 HUGE = int("9" * 400)  # float(HUGE) is an OverflowError; f"{HUGE:g}" too
 WAIT_S = 60.0  # a bound for waits on a loaded machine, never a measured duration
@@ -236,24 +237,7 @@ def test_config_dev_stdin_is_refused_not_read(tmp_path: Path) -> None:
 def without_waiting_on(fifo: Path, fn: Any) -> Any:
     """fn() on a thread; if it is still waiting on the FIFO after WAIT_S, a writer comes and goes (so that the
     thread ends) and the test fails."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except Exception as e:
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(WAIT_S)
-    if t.is_alive():
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        t.join(WAIT_S)
-        pytest.fail(f"{fn} waited on a FIFO")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    return returns_within(fn, WAIT_S, lambda: os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)))
 
 
 def test_profile_and_results_fifos_are_refused(fifo: Path, tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from agent.probes.sysfs import SysfsReader
 from agent.settings import INT_LIMIT, in_range, to_float, to_int, to_int_list
 from agent.state import read_boot_id
 from testkit.fixture_files import FIXTURES
+from testkit.harness import returns_within
 from testkit.parse_counts import link_pattern_lines, smi_row_lines, xid_pattern_lines
 from testkit.simhost import SimHost
 
@@ -364,21 +364,7 @@ def deep_or_huge(draw: st.DrawFn) -> tuple[str, str]:
 
 def finishes(fn: Any, timeout_s: float = 60.0) -> Any:
     """Runs fn on a thread; fails the test if it has not returned within timeout_s (a stall, not a slow run)."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # re-raised on the test's thread
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    assert not t.is_alive(), f"{fn} did not return"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    return returns_within(fn, timeout_s)
 
 
 @budget(80)

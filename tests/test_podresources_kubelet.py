@@ -83,12 +83,11 @@ def test_list_and_allocatable_from_the_real_kubelet(kubelet: Kubelet) -> None:
 
     def listed() -> bool:
         read, findings = reader.read()
-        assert not findings, findings  # the socket answers: no 'not read' finding
-        return read is not None and read.pods >= 1
+        return not findings and read is not None and read.pods >= 1  # the socket answers: no 'not read' finding
 
     wait_for(listed, 60, 0.5, "kubelet lists the pod")
-    read, _ = reader.read()
-    assert read is not None
+    read, findings = reader.read()
+    assert read is not None and not findings, findings
     assert read.listed == ()  # no container holds a device: no device plugin is registered
     assert allocatable_counts(read) == {}  # and none is allocatable
 

@@ -455,6 +455,7 @@ def test_preflight_job_runs_on_the_node(env: Env) -> None:
     """`helm upgrade --set preflight.enabled=true,preflight.nodeName=<node>`: the chart's Job runs on the real
     node (job controller; nodeName, so no scheduler): cordon -> spec gate on the simulated host -> label ->
     uncordon, with the tokens kubelet projects (hostNetwork, the apiserver on loopback)."""
+    _no_controller_sees_the_label_first(env)
     env.api.patch_node(NODE, {"metadata": {"labels": {NEEDS: "true"}}})
     sim = _world_readable_sim(env, "gpu-ready-preflight-")
     values = env.values(
@@ -590,6 +591,7 @@ def test_controller_runs_preflight_on_a_joining_node_then_a_gpu_pod_binds(env: E
         env.metrics_port = free_port()
     _advertise_gpus(env, len(sim.gpus))
     startup = {"key": "gpu-ready.io/gpu-not-ready", "value": "joining", "effect": "NoSchedule"}
+    _no_controller_sees_the_label_first(env)  # the node joins labelled, before this release's controller exists
     node = env.api.get_node(NODE)
     others = [t for t in node["spec"].get("taints", []) if t["key"] != startup["key"]]
     env.api.patch_node(
@@ -706,6 +708,15 @@ CONTROLLER = f"{RELEASE}-controller"  # the chart's controller Deployment (gpu-r
 MANAGED = {"labelSelector": "gpu-ready.io/managed-by"}  # the Jobs the controller created
 
 
+def _no_controller_sees_the_label_first(env: Env) -> None:
+    """A case that labels the node needs-preflight before the `helm upgrade` that turns the controller on (or sets
+    the profile) relies on no controller running yet: one of an earlier release would see the label first and run
+    a Job with its own profile. Asserted, so that a reordering fails here and not as a Job that ran the wrong gate."""
+    running = [p["metadata"]["name"] for p in _controller_pods(env)]
+    assert not running, f"a controller of an earlier release runs and would see the label first: {running}"
+    assert not _managed_jobs(env), "a preflight Job of an earlier controller is left"
+
+
 def _auto_preflight_values(env: Env, sim: SimHost, gpu_count: int | None = None, **over: Any) -> Path:
     """The values of the automatic flow: gpu-ready controller on (one replica, placed on the tainted node), the
     preflight Job's spec gate on the simulated host mounted into it (its profile expecting `gpu_count` GPUs when
@@ -797,7 +808,10 @@ def test_controller_a_rebooted_node_stays_not_ready_until_preflight_passes_again
     # The reboot's kernel log: the new boot's ring buffer holds none of the old boot's records. The real
     # /dev/kmsg still holds the user-space Xid the previous test wrote, so the agent stops trusting user-space
     # records (the test seam off) before the reboot; the upgrade that does it restarts the agent in the same
-    # boot, which keeps the latch (hostPath state).
+    # boot, which keeps the latch (hostPath state). The label is on before this upgrade, so the previous release's
+    # controller or this one's may run a Job on it first: either runs the same profile (this upgrade changes only the
+    # agent's poll and trust), so the outcome does not depend on which, and the Jobs are cleared below before
+    # anything is asserted.
     values = _auto_preflight_values(
         env, sim, **{"taints.enabled": True, "taints.mode": "startup", "config.pollInterval": 5}
     )

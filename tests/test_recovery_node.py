@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from agent.kube.client import KubeApi
+from agent.kube.client import ApiError, KubeApi
 from testkit.chart import Release, apply_release
 from testkit.cluster import EVENT_NAMESPACE, bound_token, ensure_namespace
 from testkit.deviceplugin import DevicePlugin, replica_ids, wait_registered
@@ -226,8 +226,11 @@ def test_xid_119_on_gpu_4_on_a_real_kubelet(env: Env) -> None:
 
 
 def _exists(api: KubeApi, ns: str, name: str) -> bool:
+    """Whether the Pod is there; any answer but 404 fails the test."""
     try:
         api.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}")
-        return True
-    except Exception:
-        return False
+    except ApiError as e:
+        if e.status == 404:
+            return False
+        raise
+    return True

@@ -8,19 +8,18 @@ file (GPU_READY_UPDATE_DOCS=1 rewrites it)."""
 from __future__ import annotations
 
 import json
-import os
-import re
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from agent.kube.client import MERGE_PATCH, STRATEGIC_MERGE, ApiError, KubeApi
+from agent.kube.client import MERGE_PATCH, STRATEGIC_MERGE, KubeApi
+from testkit import security as sec
 from testkit.chart import Release, apply_release, by_kind, render, serves
 from testkit.cluster import (
     AGENT_CLUSTER_RULES,
@@ -28,22 +27,17 @@ from testkit.cluster import (
     EVENT_NAMESPACE,
     PREFLIGHT_CLUSTER_RULES,
     PREFLIGHT_EVENT_RULES,
-    bound_token,
     create_node,
     now_rfc3339,
 )
 from testkit.controlplane import ControlPlane
-from testkit.harness import wait_for
-from testkit.security import denied_by, denied_by_policy
+from testkit.security import APPLY, JSON_PATCH, PATCH_NAMES, Req
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "deployment.md"
-BEGIN, END = "<!-- security-table:begin -->", "<!-- security-table:end -->"
-JSON_PATCH = "application/json-patch+json"
-APPLY = "application/apply-patch+yaml"
+TABLE = sec.DocsTable(DOCS, "<!-- security-table:begin -->", "<!-- security-table:end -->", "security")
 TAINT = "gpu-ready.io/gpu-not-ready"
 CTYPE = "GPUReady"
-PATCH_NAMES = {STRATEGIC_MERGE: "strategic merge", MERGE_PATCH: "merge", JSON_PATCH: "JSON patch", APPLY: "apply"}
 
 # -- the baseline Nodes: what a kubelet, GPU feature discovery, an admin and the agent left there -------------
 
@@ -100,22 +94,11 @@ def make_nodes(admin: KubeApi) -> tuple[str, str]:
 
 def comparable(node: dict[str, Any]) -> dict[str, Any]:
     """The Node without what every write changes (resourceVersion, managedFields)."""
-    n = json.loads(json.dumps(node))
-    for k in ("resourceVersion", "managedFields", "generation"):
-        n["metadata"].pop(k, None)
-    return n
+    return sec.without(node, "resourceVersion", "managedFields", "generation")
 
 
-def cond(ctype: str = CTYPE, status: str = "True") -> dict[str, str]:
-    t = now_rfc3339()
-    return {
-        "type": ctype,
-        "status": status,
-        "reason": "GPUsHealthy" if status == "True" else "Forged",
-        "message": "attempt",
-        "lastHeartbeatTime": t,
-        "lastTransitionTime": t,
-    }
+def cond(ctype: str = CTYPE, status: str = "True") -> dict[str, Any]:
+    return sec.attempted_condition(ctype, status, reason="GPUsHealthy" if status == "True" else "Forged")
 
 
 def idx(node: dict[str, Any], ctype: str) -> int:
@@ -142,15 +125,6 @@ class Env:
     @property
     def taints(self) -> list[dict[str, Any]]:
         return list((self.node_a.get("spec") or {}).get("taints") or [])
-
-
-@dataclass
-class Req:
-    method: str
-    path: str  # with {A}, {B}, {ns}, {events} placeholders
-    body: Any = None
-    content_type: str = "application/json"
-    query: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -911,11 +885,8 @@ DRY_NODE = {  # enough of a Node to build each request for the table
 def request_text(a: Attempt) -> str:
     """The request column: method, path with placeholders, patch type (from a dry build of the request)."""
     env = Env("{A}", "{B}", DRY_NODE, "{ns}", "{name}")
-    r = a.make(env)
-    path = r.path.replace("{events}", EVENT_NAMESPACE).replace("{ns}", "<release ns>")
-    path = re.sub(r"/api/v1/|/apis/", "", path).replace("events.k8s.io/v1/", "events.k8s.io: ")
-    kind = PATCH_NAMES.get(r.content_type, "") if r.method == "PATCH" else ""
-    return f"`{r.method} {path}`" + (f" ({kind})" if kind else "")
+    r = a.make(env)  # paths with {A}, {B}, {ns}, {events} placeholders
+    return sec.request_column(r, r.path.replace("{events}", EVENT_NAMESPACE).replace("{ns}", "<release ns>"))
 
 
 def table(observed: list[tuple[int, str]]) -> str:
@@ -940,9 +911,7 @@ class Cluster:
 
     def token(self, who: str, node: str | None) -> KubeApi:
         rel = self.taints if who == AT else self.plain
-        sa = f"{rel.fullname}-preflight" if who == PF else rel.fullname
-        tok, _ = bound_token(self.admin, rel.ns, sa, None if who == UB else node)
-        return KubeApi.from_token(self.cp.host, tok, self.cp.ca_file)
+        return sec.bound_client(self.cp, self.admin, rel, who == PF, None if who == UB else node)
 
 
 @pytest.fixture(scope="module")
@@ -963,25 +932,14 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
     policy = {AG: f"{plain.fullname}-own-node-only", AT: f"{taints.fullname}-own-node-only"}
     policy[PF] = f"{plain.fullname}-preflight-own-node-only"
     for who, probe in probes.items():
-        api = c.token(who, a0)
-        wait_for(
-            lambda api=api, probe=probe, who=who: denied_by_policy(lambda: probe(api), policy[who]),
-            60,
-            0.2,
-            f"the {who} admission policy to take effect",
-        )
-        api.close()
-    api = c.token(AG, a0)
+        sec.wait_policy_loaded(c.token(who, a0), probe, policy[who], f"{who} admission policy")
     env = Env(a0, b0, {}, plain.ns)
-    wait_for(
-        lambda: denied_by_policy(
-            lambda: api.create_event(EVENT_NAMESPACE, event_body(env, b0)), f"{plain.fullname}-own-events-only"
-        ),
-        60,
-        0.2,
-        "the Events admission policy to take effect",
+    sec.wait_policy_loaded(
+        c.token(AG, a0),
+        lambda api: api.create_event(EVENT_NAMESPACE, event_body(env, b0)),
+        f"{plain.fullname}-own-events-only",
+        "Events admission policy",
     )
-    api.close()
     yield c
     admin.close()
 
@@ -998,29 +956,18 @@ def attempt(c: Cluster, a: Attempt) -> tuple[int, str, str]:
         resource = path.split("?")[0].split("/")[4]
         if not serves(c.admin, "resource.k8s.io/v1", resource):
             return 0, "skipped", f"resource.k8s.io/v1 {resource} is not served by this kube-apiserver"
-    api = c.token(a.token, node_a)
-    before = {n: comparable(c.admin.get_node(n)) for n in (node_a, node_b)}
-    try:
-        api.request(req.method, path, req.body, req.content_type, req.query or None)
-        code = 201 if req.method == "POST" else 200
-        message = ""
-    except ApiError as e:
-        code, message = e.status, str(e)
-    finally:
-        api.close()
-    problem = ""
-    if code != a.expect:
-        problem = f"expected {a.expect}, got {code} {message[:300]}"
-    after = {n: comparable(c.admin.get_node(n)) for n in (node_a, node_b)}
-    if code >= 400 and after != before:
-        problem += f" denied, yet a Node changed: {json.dumps([before, after])[:600]}"
-    if code < 400 and a.effect is not None and not a.effect(c.admin.get_node(node_a), env):
-        problem += " allowed, yet the change is not on the Node"
-    if code < 400 and a.effect is None and req.method in ("PATCH", "PUT") and "/nodes/" in path:
-        problem += " an allowed Node write needs an effect check"
-    for n in (node_a, node_b):
-        c.admin.request("DELETE", f"/api/v1/nodes/{n}")
-    return code, denied_by(message) if code >= 400 else "", problem
+    effect = a.effect
+    result = sec.observe(
+        c.token(a.token, node_a),
+        req,
+        path,
+        a.expect,
+        lambda: {n: comparable(c.admin.get_node(n)) for n in (node_a, node_b)},
+        None if effect is None else lambda: effect(c.admin.get_node(node_a), env),
+        req.method in ("PATCH", "PUT") and "/nodes/" in path,
+    )
+    sec.delete_nodes(c.admin, [node_a, node_b])
+    return result
 
 
 @pytest.mark.apiserver
@@ -1042,28 +989,12 @@ def test_every_attempt_gets_the_expected_code_and_nothing_escapes(cluster):
         f"\n[security] {len(ATTEMPTS)} attempts ({allowed} expected allowed, {len(ATTEMPTS) - allowed} expected "
         f"denied) in {time.monotonic() - t0:.1f}s; escapes: {escapes}; mismatches: {len(problems)}"
     )
-    assert not problems, "\n".join(problems)
-    if skipped:  # an older minor: the docs' table is the current minor's
-        print(f"[security] skipped, needing a newer Kubernetes minor: {', '.join(skipped)}")
-        return
-    rendered = table(observed)
-    text = DOCS.read_text()
-    assert BEGIN in text and END in text, f"{DOCS} has no {BEGIN} ... {END} section"
-    current = text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip()
-    if current != rendered and os.environ.get("GPU_READY_UPDATE_DOCS") == "1":
-        DOCS.write_text(text[: text.index(BEGIN) + len(BEGIN)] + "\n" + rendered + "\n" + text[text.index(END) :])
-        current = rendered
-    assert current == rendered, "docs/deployment.md's security table is stale: rerun with GPU_READY_UPDATE_DOCS=1"
+    TABLE.conclude(problems, skipped, "needing a newer Kubernetes minor", lambda: table(observed))
 
 
 def test_every_attempt_is_listed_once_with_a_known_token():
-    seen = set()
-    for a in ATTEMPTS:
-        assert a.token in (AG, AT, PF, UB)
-        key = (a.token, a.what, request_text(a))
-        assert key not in seen, f"duplicate attempt {key}"
-        seen.add(key)
-        assert a.expect in (200, 201, 403)
+    sec.listed_once([(a.token, a.what, request_text(a)) for a in ATTEMPTS])
+    assert all(a.token in (AG, AT, PF, UB) and a.expect in (200, 201, 403) for a in ATTEMPTS)
     kinds = {PATCH_NAMES.get(a.make(Env("a", "b", DRY_NODE, "n")).content_type) for a in ATTEMPTS}
     assert {"strategic merge", "merge", "JSON patch", "apply"} <= kinds
 

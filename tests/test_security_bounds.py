@@ -17,7 +17,6 @@ were; an allowed one must show its change. The list renders a table in docs/depl
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import subprocess
@@ -49,18 +48,18 @@ from agent.report.blast_radius import EVENT_REASON as POD_EVENT_REASON
 from agent.report.condition import POLICY_MESSAGE_LIMIT, ConditionReporter, fit_message
 from agent.report.events import EventReporter
 from agent.verdict import MESSAGE_LIMIT, render_message, with_note
+from testkit import security as sec
 from testkit.chart import CHART, KUBE_VERSION, Release, apply_release, helm, serves
-from testkit.cluster import EVENT_NAMESPACE, bound_token, create_node, ensure_namespace, now_rfc3339
+from testkit.cluster import EVENT_NAMESPACE, create_node, ensure_namespace, now_rfc3339
 from testkit.controlplane import ControlPlane
 from testkit.dra import BUSES, nvidia_slice
-from testkit.harness import wait_for
-from testkit.security import client_as, denied_by, denied_by_policy
+from testkit.security import JSON_PATCH, Req
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "deployment.md"
-BEGIN, END = "<!-- security-bounds-table:begin -->", "<!-- security-bounds-table:end -->"
-JSON_PATCH = "application/json-patch+json"
-PATCH_NAMES = {STRATEGIC_MERGE: "strategic merge", MERGE_PATCH: "merge", JSON_PATCH: "JSON patch"}
+TABLE = sec.DocsTable(
+    DOCS, "<!-- security-bounds-table:begin -->", "<!-- security-bounds-table:end -->", "security-bounds"
+)
 CTYPE = "GPUReady"
 TAINT = "gpu-ready.io/gpu-not-ready"
 MARK = "gpu-ready.io/preflight-cordoned"
@@ -120,16 +119,11 @@ def make_node(kubelet: KubeApi, name: str) -> str:
 
 def snapshot(node: dict[str, Any]) -> dict[str, Any]:
     """The Node without resourceVersion and generation (managedFields stay: they must not change either)."""
-    n = json.loads(json.dumps(node))
-    for k in ("resourceVersion", "generation"):
-        n["metadata"].pop(k, None)
-    return n
+    return sec.without(node, "resourceVersion", "generation")
 
 
 def cond(ctype: str = CTYPE, status: str = "True", **over: Any) -> dict[str, Any]:
-    t = now_rfc3339()
-    c = {"type": ctype, "status": status, "reason": "GPUsHealthy", "message": "attempt"}
-    return {**c, "lastHeartbeatTime": t, "lastTransitionTime": t, **over}
+    return sec.attempted_condition(ctype, status, **over)
 
 
 def copy_of(node: dict[str, Any], source: str, as_type: str) -> list[dict[str, Any]]:
@@ -220,14 +214,6 @@ class Env:
     pod: str = ""
     uid: str = ""
     made: list[str] = field(default_factory=list)  # DeviceTaintRules the setup made
-
-
-@dataclass
-class Req:
-    method: str
-    path: str
-    body: Any = None
-    content_type: str = "application/json"
 
 
 @dataclass
@@ -791,10 +777,7 @@ class Cluster:
     uid: str
 
     def token(self, rendering: str, who: str, node: str) -> KubeApi:
-        rel = self.releases[rendering]
-        sa = f"{rel.fullname}-preflight" if who == PF else rel.fullname
-        tok, _ = bound_token(self.admin, rel.ns, sa, node)
-        return KubeApi.from_token(self.cp.host, tok, self.cp.ca_file)
+        return sec.bound_client(self.cp, self.admin, self.releases[rendering], who == PF, node)
 
 
 @pytest.fixture(scope="module")
@@ -805,8 +788,8 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
         ALL_ON: apply_release(control_plane, kc, "seca", VALUES[ALL_ON]),
     }
     admin = control_plane.admin()
-    kubelet = client_as(control_plane, "kubelet/v1.37.2 (linux/amd64) kubernetes/test")
-    operator = client_as(control_plane, "kubectl/v1.37.2 (linux/amd64) kubernetes/test")
+    kubelet = sec.client_as(control_plane, "kubelet/v1.37.2 (linux/amd64) kubernetes/test")
+    operator = sec.client_as(control_plane, "kubectl/v1.37.2 (linux/amd64) kubernetes/test")
     ns = f"work-{secrets.token_hex(3)}"
     ensure_namespace(admin, ns)
     pods_node = make_node(kubelet, f"secb-{secrets.token_hex(4)}")
@@ -830,18 +813,9 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
                 (AG, "own-devices-only", lambda api: create_and_undo(admin, api, rule(f"gpu-ready.{b}.0", b)))
             )
         for who, policy, probe in probes:
-            api = c.token(rendering, who, a)
-            wait_for(
-                lambda api=api, probe=probe, name=f"{rel.fullname}-{policy}": denied_by_policy(
-                    lambda: probe(api), name
-                ),
-                60,
-                0.2,
-                f"the {policy} admission policy of {rendering} to take effect",
-            )
-            api.close()
-    for n in (a, b, pods_node):
-        admin.request("DELETE", f"/api/v1/nodes/{n}")
+            name = f"{rel.fullname}-{policy}"
+            sec.wait_policy_loaded(c.token(rendering, who, a), probe, name, f"{policy} admission policy of {rendering}")
+    sec.delete_nodes(admin, [a, b, pods_node])
     yield c
     for api in (admin, kubelet, operator):
         api.close()
@@ -877,32 +851,20 @@ def attempt(c: Cluster, rendering: str, a: Attempt) -> tuple[int, str, str]:
     if a.setup:
         a.setup(c.operator, env)
     req = a.make(env)
-    api = c.token(rendering, a.token, {"a": env.a, "c": env.c, "d": env.d}[a.on])
-    before = {n: snapshot(c.admin.get_node(n)) for n in nodes}
-    rules_before = rules_of(c.admin, nodes)
-    try:
-        api.request(req.method, req.path, req.body, req.content_type)
-        code, message = (201 if req.method == "POST" else 200), ""
-    except ApiError as e:
-        code, message = e.status, str(e)
-    finally:
-        api.close()
-    problem = ""
-    if code != a.expect[rendering]:
-        problem = f"expected {a.expect[rendering]}, got {code} {message[:300]}"
-    if code >= 400:
-        after = {n: snapshot(c.admin.get_node(n)) for n in nodes}
-        if after != before or rules_of(c.admin, nodes) != rules_before:
-            problem += " denied, yet a Node or a DeviceTaintRule changed"
-    elif a.effect is not None and not a.effect(c.admin, env):
-        problem += " allowed, yet the change is not there"
-    elif a.effect is None and (req.method in ("PATCH", "PUT", "DELETE") or "devicetaintrules" in req.path):
-        problem += " an allowed write needs an effect check"
+    effect = a.effect
+    result = sec.observe(
+        c.token(rendering, a.token, {"a": env.a, "c": env.c, "d": env.d}[a.on]),
+        req,
+        req.path,
+        a.expect[rendering],
+        lambda: ({n: snapshot(c.admin.get_node(n)) for n in nodes}, rules_of(c.admin, nodes)),
+        None if effect is None else lambda: effect(c.admin, env),
+        req.writes or "devicetaintrules" in req.path,
+    )
     for name in rules_of(c.admin, nodes):
         c.admin.request("DELETE", f"{RULES}/{name}")
-    for n in nodes:
-        c.admin.request("DELETE", f"/api/v1/nodes/{n}")
-    return code, denied_by(message) if code >= 400 else "", problem
+    sec.delete_nodes(c.admin, nodes)
+    return result
 
 
 def request_text(a: Attempt) -> str:
@@ -920,12 +882,9 @@ def request_text(a: Attempt) -> str:
     def shown(text: str) -> str:
         return text.replace(env.c, "{C}").replace(env.d, "{D}").replace(c[:200], "{first 200 of C}")
 
-    path = re.sub(r"/api/v1/|/apis/", "", r.path).replace("events.k8s.io/v1/", "events.k8s.io: ")
-    path = path.replace("resource.k8s.io/v1/", "")
-    kind = PATCH_NAMES.get(r.content_type, "") if r.method == "PATCH" else ""
     body = r.body if isinstance(r.body, dict) else {}
     name = (body.get("metadata") or {}).get("name", "") if r.method == "POST" and "devicetaintrules" in r.path else ""
-    return shown(f"`{r.method} {path}`" + (f" ({kind})" if kind else "") + (f" `{name}`" if name else ""))
+    return shown(sec.request_column(r, r.path.replace("resource.k8s.io/v1/", "")) + (f" `{name}`" if name else ""))
 
 
 def table(observed: list[dict[str, tuple[int, str]]]) -> str:
@@ -962,26 +921,12 @@ def test_every_bound_holds_with_both_renderings(cluster):
                 problems.append(f"#{i} [{rendering}, {a.token}] {a.what}: {problem}")
         observed.append(obs)
     print(f"\n[security-bounds] {len(ATTEMPTS)} attempts x 2 renderings; mismatches: {len(problems)}")
-    assert not problems, "\n".join(problems)
-    if skipped:  # the docs' table is the current minor's
-        print(f"[security-bounds] skipped, DeviceTaintRule not served by this kube-apiserver: {'; '.join(skipped)}")
-        return
-    rendered = table(observed)
-    text = DOCS.read_text()
-    assert BEGIN in text and END in text, f"{DOCS} has no {BEGIN} ... {END} section"
-    current = text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip()
-    if current != rendered and os.environ.get("GPU_READY_UPDATE_DOCS") == "1":
-        DOCS.write_text(text[: text.index(BEGIN) + len(BEGIN)] + "\n" + rendered + "\n" + text[text.index(END) :])
-        current = rendered
-    assert current == rendered, "docs/deployment.md's bounds table is stale: rerun with GPU_READY_UPDATE_DOCS=1"
+    TABLE.conclude(problems, skipped, "DeviceTaintRule not served by this kube-apiserver", lambda: table(observed))
 
 
 def test_every_attempt_is_listed_once_and_every_hole_has_a_denied_row():
-    seen = set()
+    sec.listed_once([(a.token, a.what, request_text(a)) for a in ATTEMPTS])
     for a in ATTEMPTS:
-        key = (a.token, a.what, request_text(a))
-        assert key not in seen, f"duplicate attempt {key}"
-        seen.add(key)
         assert set(a.expect) == {DEFAULTS, ALL_ON} and set(a.expect.values()) <= {200, 201, 403}
     for hole in range(1, 10):
         rows = [a for a in ATTEMPTS if a.hole == hole]

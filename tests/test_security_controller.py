@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from testkit.cluster import bound_token, create_node, ensure_namespace
 from testkit.controller import VALUES, apply_quotas, controller_api, gpu_node, job_pods, jobs_control_plane
 from testkit.controlplane import ControlPlane
 from testkit.harness import wait_for
-from testkit.security import client_as, denied_by_policy, outcome
+from testkit.security import DocsTable, client_as, denied_by_policy, outcome
 
 NEEDS = "gpu-ready.io/needs-preflight"
 MAX_JOBS = 8
@@ -356,7 +355,7 @@ ALL_OTHER = {**OTHER_SPECS, **SINGLE_FIELD, **SMUGGLED}
 
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "controller.md"
-BEGIN, END = "<!-- controller-jobs-table:begin -->", "<!-- controller-jobs-table:end -->"
+TABLE = DocsTable(DOCS, "<!-- controller-jobs-table:begin -->", "<!-- controller-jobs-table:end -->", "Job")
 
 
 def jobs_table(observed: dict[str, tuple[int, str]]) -> str:
@@ -381,13 +380,7 @@ def test_controller_may_not_create_a_job_other_than_the_template(setup):
     assert not problems, "\n".join(problems)
     assert not [n for n in names if job_pods(s["admin"], s["marks"].ns, n)]  # none of them made a pod
     print(f"\n[controller-jobs] {len(ALL_OTHER)} Jobs other than the template, every one refused")
-    text = DOCS.read_text()
-    assert BEGIN in text and END in text, f"{DOCS} has no {BEGIN} ... {END} section"
-    current, rendered = text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip(), jobs_table(observed)
-    if current != rendered and os.environ.get("GPU_READY_UPDATE_DOCS") == "1":
-        DOCS.write_text(text[: text.index(BEGIN) + len(BEGIN)] + "\n" + rendered + "\n" + text[text.index(END) :])
-        current = rendered
-    assert current == rendered, "docs/controller.md's Job table is stale: rerun with GPU_READY_UPDATE_DOCS=1"
+    TABLE.check(jobs_table(observed))
 
 
 def test_the_template_job_runs_its_pod_under_the_job_controller(setup):
