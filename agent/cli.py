@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from agent import __version__
 from agent import config as config_mod
-from agent.act.fencing.plan import FenceEffect, FenceResult, FencingSettings
+from agent.act.fencing.plan import FenceResult, FencingSection, FencingSettings
 from agent.act.fencing.reporter import FenceReporter
 from agent.allocation import AllocationMap
 from agent.checks import CheckSuite
@@ -154,9 +154,7 @@ def verdict_json(
 def preview_fencing(api: KubeApi, node: str, cfg: config_mod.Config, v: Verdict, suite: CheckSuite) -> FenceResult:
     """The node's DeviceTaintRules as they are and what `gpu-ready run` would change for this verdict (reads
     only: API discovery and one LIST)."""
-    settings = FencingSettings(
-        True, FenceEffect(cfg.fencing_effect), cfg.dra_driver, cfg.fencing_max_rules, cfg.fencing_resync
-    )
+    settings = FencingSettings.of(cfg[FencingSection], cfg.dra_driver)
     return FenceReporter(api, node, settings).preview(v, suite.inventory)
 
 

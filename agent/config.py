@@ -22,7 +22,7 @@ import yaml
 
 from agent.act import brake, preflight_mark
 from agent.act.fencing import plan as fencing
-from agent.act.recovery import actor as recovery
+from agent.act.recovery.ladder import RecoverySection
 from agent.act.taints import plan as taints
 from agent.names import CONDITION_TYPE
 from agent.probes import registry
@@ -142,7 +142,7 @@ class CoreSettings:
 ACTION_SECTIONS: tuple[type, ...] = (
     fencing.FencingSection,
     taints.TaintSection,
-    recovery.RecoverySection,
+    RecoverySection,
     preflight_mark.PreflightMarkSection,
     brake.BrakeSection,
 )

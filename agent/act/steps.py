@@ -23,12 +23,12 @@ from typing import ClassVar
 
 from agent.act import preflight_mark
 from agent.act.fencing import plan as fencing_plan
-from agent.act.fencing.plan import FenceEffect, FencingSettings
+from agent.act.fencing.plan import FencingSettings
 from agent.act.fencing.reporter import FenceMetrics, FenceReporter, FenceWorker
 from agent.act.preflight_mark import PreflightMark
 from agent.act.step import Quiet, Snapshot, StepSpec, Wiring
 from agent.act.taints import plan as taint_plan
-from agent.act.taints.plan import TaintMode, TaintPlan, TaintSettings
+from agent.act.taints.plan import TaintPlan, TaintSettings
 from agent.act.taints.reporter import TaintReporter
 from agent.kube.backoff import ApiHealth, first_write_delay, heartbeat_delay
 from agent.kube.client import ApiError
@@ -51,9 +51,7 @@ class FenceStep(Quiet):
     def __init__(self, w: Wiring) -> None:
         cfg, node = w.cfg, w.cfg.node_name
         assert node
-        fs = FencingSettings(
-            True, FenceEffect(cfg.fencing_effect), cfg.dra_driver, cfg.fencing_max_rules, cfg.fencing_resync
-        )
+        fs = FencingSettings.of(cfg[fencing_plan.FencingSection], cfg.dra_driver)
         reporter = FenceReporter(
             w.api, node, fs, on_event=w.events.record, metrics=FenceMetrics(w.metrics.registry),
             clock=w.clock.mono, brake=w.brake.brake_engaged,
@@ -194,7 +192,7 @@ class TaintStep(Quiet):
     def __init__(self, w: Wiring) -> None:
         cfg, node = w.cfg, w.cfg.node_name
         assert node
-        settings = TaintSettings(TaintMode(cfg.taints), cfg.taint_no_execute, cfg.taint_unknown_as_false, cfg.taint_key)
+        settings = TaintSettings.of(cfg[taint_plan.TaintSection])
         self.reporter = TaintReporter(
             w.api, node, settings, events=w.events, metrics=w.metrics.taints, retry_cap_s=cfg.retry_cap_s,
             ctype=cfg.condition_type, wall=w.clock.wall, mono=w.clock.mono,

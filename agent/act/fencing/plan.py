@@ -79,12 +79,49 @@ class FenceEffect(StrEnum):
 
 
 @dataclass(frozen=True)
+class FencingSection:
+    """Settings of DRA fencing."""
+
+    fencing: bool = setting(
+        to_bool, False, "one DeviceTaintRule per device of a faulty GPU (DRA nodes; docs/fencing.md)", commands=RUN_ONLY
+    )
+    fencing_effect: str = setting(
+        choice_exact("None", "NoSchedule", "NoExecute"),
+        "None",
+        "effect of the DeviceTaintRules: None (dry run), NoSchedule or NoExecute (evicts pods); spelled exactly",
+        commands=WITH_NODE,
+    )
+    fencing_max_rules: int = setting(
+        in_range(to_int, 1, 1024),
+        DEFAULT_MAX_RULES,
+        "DeviceTaintRules per node at most (1 to 1024)",
+        commands=WITH_NODE,
+    )
+    fencing_resync: float = setting(
+        positive(to_float, DAY),
+        300.0,
+        "re-list the DeviceTaintRules this often, seconds (while the verdict asks for the same rules)",
+        commands=RUN_ONLY,
+    )
+
+
+DEFAULT_EFFECT = FenceEffect(FencingSection.fencing_effect)
+
+
+@dataclass(frozen=True)
 class FencingSettings:
-    enabled: bool = False
-    effect: FenceEffect = FenceEffect.NONE
+    """What the plan and the reporter apply: FencingSection's values, typed (its defaults), and the DRA driver."""
+
+    enabled: bool = FencingSection.fencing
+    effect: FenceEffect = DEFAULT_EFFECT
     driver: str = DEFAULT_DRIVER
-    max_rules: int = DEFAULT_MAX_RULES
-    resync_s: float = 300.0  # re-list the rules at least this often when nothing changed
+    max_rules: int = FencingSection.fencing_max_rules
+    resync_s: float = FencingSection.fencing_resync  # re-list the rules at least this often when nothing changed
+
+    @classmethod
+    def of(cls, s: FencingSection, driver: str, enabled: bool = True) -> FencingSettings:
+        """`enabled`: the reporter is built only where fencing runs (the agent with it on, `check`'s preview)."""
+        return cls(enabled, FenceEffect(s.fencing_effect), driver, s.fencing_max_rules, s.fencing_resync)
 
 
 # -- pure: what the verdict says about each GPU --------------------------------------------------------------
@@ -421,30 +458,3 @@ class FenceResult:
                 "delete": [r.device for r in self.plan.delete],
             },
         }
-
-
-@dataclass(frozen=True)
-class FencingSection:
-    """Settings of DRA fencing."""
-
-    fencing: bool = setting(
-        to_bool, False, "one DeviceTaintRule per device of a faulty GPU (DRA nodes; docs/fencing.md)", commands=RUN_ONLY
-    )
-    fencing_effect: str = setting(
-        choice_exact("None", "NoSchedule", "NoExecute"),
-        "None",
-        "effect of the DeviceTaintRules: None (dry run), NoSchedule or NoExecute (evicts pods); spelled exactly",
-        commands=WITH_NODE,
-    )
-    fencing_max_rules: int = setting(
-        in_range(to_int, 1, 1024),
-        DEFAULT_MAX_RULES,
-        "DeviceTaintRules per node at most (1 to 1024)",
-        commands=WITH_NODE,
-    )
-    fencing_resync: float = setting(
-        positive(to_float, DAY),
-        300.0,
-        "re-list the DeviceTaintRules this often, seconds (while the verdict asks for the same rules)",
-        commands=RUN_ONLY,
-    )

@@ -41,6 +41,7 @@ from agent.act.recovery.ladder import (
     Do,
     GpuRecovery,
     Policy,
+    RecoverySection,
     Remedy,
     ResetAnswer,
     ResetOutcome,
@@ -56,24 +57,13 @@ from agent.act.recovery.ladder import (
 )
 from agent.act.taints.plan import own_effects, taints_of
 from agent.allocation import AllocationMap
+from agent.config import Config
 from agent.kube.client import ApiError, KubeApi
 from agent.model import Check, GpuIdentity, LatchedFault, Observation, PciAddress, Severity, XidEvent
 from agent.names import TAINT_KEY
 from agent.probes import nvml_pause
 from agent.probes.device_nodes import read_minor_numbers
 from agent.proc import Run, SupervisedRunner
-from agent.settings import (
-    DAY,
-    RUN_ONLY,
-    dns_subdomain,
-    in_range,
-    optional,
-    positive,
-    setting,
-    to_bool,
-    to_float,
-    to_int,
-)
 from agent.state import LatchState
 
 EventHook = Callable[[str, str, str, str, str], None]  # (reason, note, key, type, action)
@@ -142,14 +132,17 @@ class RecoveryMetrics:
 
 @dataclass(frozen=True)
 class RecoverySettings:
+    """What the actor applies: RecoverySection's values, typed (its defaults), and what it reads of other wings."""
+
     policy: Policy
     nvidia_smi: str = "nvidia-smi"
-    reset_timeout_s: float = 120.0
+    reset_timeout_s: float = RecoverySection.recovery_reset_timeout
     proof_command: str = ""
-    proof_timeout_s: float = 600.0
+    proof_timeout_s: float = RecoverySection.recovery_proof_timeout
     plugin_namespace: str | None = None
     plugin_daemonset: str | None = None
-    burst_window_s: float = 600.0  # a second GPU's ladder within this: the node escalates (one baseboard)
+    # a second GPU's ladder within this: the node escalates (one baseboard)
+    burst_window_s: float = RecoverySection.recovery_burst_window
     persistence: bool = True  # turn persistence mode off for the reset, and back on after, whatever the outcome
     proc_root: str = "/proc"  # where the GPU's holders are looked for (the host's only with hostPID)
     release_holders: tuple[tuple[str, str], ...] = ()  # DaemonSets whose pod on this node is deleted before a reset
@@ -778,7 +771,7 @@ class RecoveryWorker:
 
 
 def build(
-    cfg: Any,
+    cfg: Config,
     api: KubeApi,
     state: LatchState,
     *,
@@ -793,26 +786,27 @@ def build(
 ) -> RecoveryWorker | None:
     """The worker for these settings; None with recovery off (nothing changes). `brake`: whether the fleet brake is
     engaged now (asked before every decision; while it is, no eviction and no reset starts)."""
-    if not cfg.recovery:
+    s: RecoverySection = cfg[RecoverySection]
+    if not s.recovery:
         return None
     policy = Policy(
-        cfg.recovery_drain_timeout,
-        cfg.recovery_evict,
-        cfg.recovery_budget,
-        cfg.recovery_window,
-        settle_timeout_s=cfg.recovery_settle_timeout,
+        s.recovery_drain_timeout,
+        s.recovery_evict,
+        s.recovery_budget,
+        s.recovery_window,
+        settle_timeout_s=s.recovery_settle_timeout,
     )
     settings = RecoverySettings(
         policy,
         cfg.nvidia_smi,
-        cfg.recovery_reset_timeout,
-        cfg.recovery_proof_command or "",
-        cfg.recovery_proof_timeout,
-        cfg.recovery_plugin_namespace,
-        cfg.recovery_plugin_daemonset,
-        burst_window_s=cfg.recovery_burst_window,
+        s.recovery_reset_timeout,
+        s.recovery_proof_command or "",
+        s.recovery_proof_timeout,
+        s.recovery_plugin_namespace,
+        s.recovery_plugin_daemonset,
+        burst_window_s=s.recovery_burst_window,
         proc_root=cfg.proc_root,
-        release_holders=tuple(cfg.recovery_release_holders),
+        release_holders=tuple(s.recovery_release_holders),
         per_gpu_fence=bool(cfg.fencing),
         taint_key=cfg.taint_key,
     )
@@ -821,101 +815,3 @@ def build(
         metrics=RecoveryMetrics(registry), log=log, brake=brake, quiet=lambda: nvml_pause.paused(nvml),
     )  # fmt: skip
     return RecoveryWorker(actor, wake, log)
-
-
-@dataclass(frozen=True)
-class RecoverySection:
-    """Settings of per-GPU recovery."""
-
-    recovery: bool = setting(
-        to_bool,
-        False,
-        "per-GPU recovery: drain, reset, prove and return a GPU whose fault a reset heals (docs/recovery.md)",
-        commands=RUN_ONLY,
-    )
-    recovery_drain_timeout: float = setting(
-        positive(to_float, DAY),
-        600.0,
-        "seconds to wait for the pods (then the processes) on a GPU to go before its recovery escalates",
-        commands=RUN_ONLY,
-    )
-    recovery_evict: bool = setting(
-        to_bool, False, "evict the pods holding a GPU to recover it (else wait)", commands=RUN_ONLY
-    )
-    recovery_reset_timeout: float = setting(
-        positive(to_float, 3600), 120.0, "seconds a GPU reset may take", commands=RUN_ONLY
-    )
-    recovery_proof_command: str | None = setting(
-        optional(lambda v: _proof_command(v)),
-        None,
-        "command proving one GPU after its reset ({index}, {bus_id} replaced); exit 0 passes (unset: hard checks only)",
-        commands=RUN_ONLY,
-    )
-    recovery_proof_timeout: float = setting(
-        positive(to_float, DAY), 600.0, "seconds the proof command may take", commands=RUN_ONLY
-    )
-    recovery_budget: int = setting(
-        in_range(to_int, 0, 100), 2, "GPU resets per GPU within recoveryWindow", commands=RUN_ONLY
-    )
-    recovery_window: float = setting(
-        positive(to_float, 30 * DAY), 86400.0, "the retry budget's window, seconds", commands=RUN_ONLY
-    )
-    recovery_settle_timeout: float = setting(
-        positive(to_float, DAY),
-        300.0,
-        "seconds a reset GPU may take to settle (fabric trained, no recovery action or row remap pending) before "
-        "its proof fails",
-        commands=RUN_ONLY,
-    )
-    recovery_burst_window: float = setting(
-        in_range(to_float, 0, DAY),
-        600.0,
-        "a second GPU needing a reset within this many seconds stops every ladder of the node (one baseboard); 0: off",
-        commands=RUN_ONLY,
-    )
-    recovery_release_holders: tuple[tuple[str, str], ...] = setting(
-        lambda v: _holders(v),
-        (),
-        "namespace/daemonset list: their pod on this node (the device plugin, DCGM, dcgm-exporter) is deleted before "
-        "a GPU reset to release its handles (its DaemonSet starts it again)",
-        commands=RUN_ONLY,
-    )
-    recovery_plugin_namespace: str | None = setting(
-        optional(dns_subdomain),
-        None,
-        "namespace of the device plugin DaemonSet restarted after a recovery",
-        commands=RUN_ONLY,
-    )
-    recovery_plugin_daemonset: str | None = setting(
-        optional(dns_subdomain),
-        None,
-        "the device plugin DaemonSet whose pod on this node is restarted after a recovery",
-        commands=RUN_ONLY,
-    )
-
-
-def _holders(v: Any) -> tuple[tuple[str, str], ...]:
-    """`namespace/daemonset` entries (a list, or a comma-separated string): DaemonSets whose pod on this node holds
-    the GPUs (the device plugin, DCGM, dcgm-exporter) and is deleted before a reset."""
-    items = v if isinstance(v, list | tuple) else [x for x in str(v).replace(" ", ",").split(",") if x]
-    if len(items) > 16:
-        raise ValueError(f"at most 16 DaemonSets, got {len(items)}")
-    out = []
-    for item in items:
-        ns, sep, name = str(item).partition("/")
-        if not sep:
-            raise ValueError(f"expected namespace/daemonset, got {item!r}")
-        out.append((dns_subdomain(ns), dns_subdomain(name)))
-    return tuple(out)
-
-
-def _proof_command(v: Any) -> str:
-    if not isinstance(v, str) or len(v) > 4096 or "\x00" in v:
-        raise ValueError("expected a command line of at most 4096 characters")
-    try:
-        argv = shlex.split(v)
-    except ValueError as e:
-        raise ValueError(f"cannot split the command line: {e}") from None
-    if not argv:
-        raise ValueError("expected a command")
-    return v

@@ -22,11 +22,25 @@ fence, restarting the device plugin's pod) are agent/act/recovery/actor.py's, an
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Any
 
 from agent.model import PciAddress
+from agent.settings import (
+    DAY,
+    RUN_ONLY,
+    dns_subdomain,
+    in_range,
+    optional,
+    positive,
+    setting,
+    to_bool,
+    to_float,
+    to_int,
+)
 
 RESET_ACTIONS = frozenset({"RESET_GPU"})
 # Faults that always win over an NVML reset action: a reboot-class fault (Xid 79 fell off the bus: RESTART_BM, and
@@ -227,14 +241,114 @@ class Do(StrEnum):
 
 
 @dataclass(frozen=True)
+class RecoverySection:
+    """Settings of per-GPU recovery."""
+
+    recovery: bool = setting(
+        to_bool,
+        False,
+        "per-GPU recovery: drain, reset, prove and return a GPU whose fault a reset heals (docs/recovery.md)",
+        commands=RUN_ONLY,
+    )
+    recovery_drain_timeout: float = setting(
+        positive(to_float, DAY),
+        600.0,
+        "seconds to wait for the pods (then the processes) on a GPU to go before its recovery escalates",
+        commands=RUN_ONLY,
+    )
+    recovery_evict: bool = setting(
+        to_bool, False, "evict the pods holding a GPU to recover it (else wait)", commands=RUN_ONLY
+    )
+    recovery_reset_timeout: float = setting(
+        positive(to_float, 3600), 120.0, "seconds a GPU reset may take", commands=RUN_ONLY
+    )
+    recovery_proof_command: str | None = setting(
+        optional(lambda v: _proof_command(v)),
+        None,
+        "command proving one GPU after its reset ({index}, {bus_id} replaced); exit 0 passes (unset: hard checks only)",
+        commands=RUN_ONLY,
+    )
+    recovery_proof_timeout: float = setting(
+        positive(to_float, DAY), 600.0, "seconds the proof command may take", commands=RUN_ONLY
+    )
+    recovery_budget: int = setting(
+        in_range(to_int, 0, 100), 2, "GPU resets per GPU within recoveryWindow", commands=RUN_ONLY
+    )
+    recovery_window: float = setting(
+        positive(to_float, 30 * DAY), 86400.0, "the retry budget's window, seconds", commands=RUN_ONLY
+    )
+    recovery_settle_timeout: float = setting(
+        positive(to_float, DAY),
+        300.0,
+        "seconds a reset GPU may take to settle (fabric trained, no recovery action or row remap pending) before "
+        "its proof fails",
+        commands=RUN_ONLY,
+    )
+    recovery_burst_window: float = setting(
+        in_range(to_float, 0, DAY),
+        600.0,
+        "a second GPU needing a reset within this many seconds stops every ladder of the node (one baseboard); 0: off",
+        commands=RUN_ONLY,
+    )
+    recovery_release_holders: tuple[tuple[str, str], ...] = setting(
+        lambda v: _holders(v),
+        (),
+        "namespace/daemonset list: their pod on this node (the device plugin, DCGM, dcgm-exporter) is deleted before "
+        "a GPU reset to release its handles (its DaemonSet starts it again)",
+        commands=RUN_ONLY,
+    )
+    recovery_plugin_namespace: str | None = setting(
+        optional(dns_subdomain),
+        None,
+        "namespace of the device plugin DaemonSet restarted after a recovery",
+        commands=RUN_ONLY,
+    )
+    recovery_plugin_daemonset: str | None = setting(
+        optional(dns_subdomain),
+        None,
+        "the device plugin DaemonSet whose pod on this node is restarted after a recovery",
+        commands=RUN_ONLY,
+    )
+
+
+def _holders(v: Any) -> tuple[tuple[str, str], ...]:
+    """`namespace/daemonset` entries (a list, or a comma-separated string): DaemonSets whose pod on this node holds
+    the GPUs (the device plugin, DCGM, dcgm-exporter) and is deleted before a reset."""
+    items = v if isinstance(v, list | tuple) else [x for x in str(v).replace(" ", ",").split(",") if x]
+    if len(items) > 16:
+        raise ValueError(f"at most 16 DaemonSets, got {len(items)}")
+    out = []
+    for item in items:
+        ns, sep, name = str(item).partition("/")
+        if not sep:
+            raise ValueError(f"expected namespace/daemonset, got {item!r}")
+        out.append((dns_subdomain(ns), dns_subdomain(name)))
+    return tuple(out)
+
+
+def _proof_command(v: Any) -> str:
+    if not isinstance(v, str) or len(v) > 4096 or "\x00" in v:
+        raise ValueError("expected a command line of at most 4096 characters")
+    try:
+        argv = shlex.split(v)
+    except ValueError as e:
+        raise ValueError(f"cannot split the command line: {e}") from None
+    if not argv:
+        raise ValueError("expected a command")
+    return v
+
+
+@dataclass(frozen=True)
 class Policy:
-    drain_timeout_s: float = 600.0
-    evict: bool = False
-    budget: int = 2  # resets per GPU within window_s
-    window_s: float = 86400.0
+    """The ladder's bounds (defaults: RecoverySection's)."""
+
+    drain_timeout_s: float = RecoverySection.recovery_drain_timeout
+    evict: bool = RecoverySection.recovery_evict
+    budget: int = RecoverySection.recovery_budget  # resets per GPU within window_s
+    window_s: float = RecoverySection.recovery_window
     settle_s: float = 0.0  # after a reset, wait this long before the proof (the driver re-initialises)
-    settle_timeout_s: float = 120.0  # after a reset, how long the GPU may take to settle (fabric, NVML) before the
-    # proof fails
+    # after a reset, how long the GPU may take to settle (fabric, NVML) before the proof fails
+    settle_timeout_s: float = RecoverySection.recovery_settle_timeout
     refused_backoff_s: float = 5.0  # the first wait after a refused reset; doubled per refusal, at most 60 s
 
 

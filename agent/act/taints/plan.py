@@ -50,11 +50,41 @@ class TaintMode(StrEnum):
 
 
 @dataclass(frozen=True)
+class TaintSection:
+    """Settings of gpu-ready's taint on its own Node."""
+
+    taints: str = setting(
+        choice("off", "startup", "continuous"),
+        "off",
+        "gpu-ready's taint on its own Node: off, startup (remove when ready) or continuous (docs/taints.md)",
+        commands=RUN_ONLY,
+    )
+    taint_key: str = setting(
+        own_taint_key, TAINT_KEY, "key of gpu-ready's taint (= chart taints.key)", commands=WITH_NODE
+    )
+    taint_no_execute: bool = setting(
+        to_bool, False, "continuous taints: also NoExecute while a fatal fault is latched", commands=RUN_ONLY
+    )
+    taint_unknown_as_false: bool = setting(
+        to_bool, False, "continuous taints: Unknown taints like False", commands=RUN_ONLY
+    )
+
+
+DEFAULT_MODE = TaintMode(TaintSection.taints)
+
+
+@dataclass(frozen=True)
 class TaintSettings:
-    mode: TaintMode = TaintMode.OFF  # the chart turns taints on together with the `patch nodes` RBAC
-    no_execute_on_fatal: bool = False  # continuous mode: NoExecute too while a fatal fault is latched
-    unknown_as_false: bool = False  # continuous mode: treat Unknown like False
-    key: str = TAINT_KEY  # must equal the chart's taints.key (its admission policy allows only that key)
+    """What the plan and the reporter apply: TaintSection's values, typed (its defaults)."""
+
+    mode: TaintMode = DEFAULT_MODE  # the chart turns taints on with the `patch nodes` RBAC
+    no_execute_on_fatal: bool = TaintSection.taint_no_execute  # continuous: NoExecute too while a fault is latched
+    unknown_as_false: bool = TaintSection.taint_unknown_as_false  # continuous mode: treat Unknown like False
+    key: str = TaintSection.taint_key  # must equal the chart's taints.key (its admission policy allows only that key)
+
+    @classmethod
+    def of(cls, s: TaintSection) -> TaintSettings:
+        return cls(TaintMode(s.taints), s.taint_no_execute, s.taint_unknown_as_false, s.taint_key)
 
 
 @dataclass(frozen=True)
@@ -147,24 +177,3 @@ def taint_patch(raw_taints: Any, new: list[dict[str, Any]]) -> list[dict[str, An
         {"op": "test", "path": "/spec/taints", "value": raw_taints},
         {"op": "add", "path": "/spec/taints", "value": new},
     ]
-
-
-@dataclass(frozen=True)
-class TaintSection:
-    """Settings of gpu-ready's taint on its own Node."""
-
-    taints: str = setting(
-        choice("off", "startup", "continuous"),
-        "off",
-        "gpu-ready's taint on its own Node: off, startup (remove when ready) or continuous (docs/taints.md)",
-        commands=RUN_ONLY,
-    )
-    taint_key: str = setting(
-        own_taint_key, TAINT_KEY, "key of gpu-ready's taint (= chart taints.key)", commands=WITH_NODE
-    )
-    taint_no_execute: bool = setting(
-        to_bool, False, "continuous taints: also NoExecute while a fatal fault is latched", commands=RUN_ONLY
-    )
-    taint_unknown_as_false: bool = setting(
-        to_bool, False, "continuous taints: Unknown taints like False", commands=RUN_ONLY
-    )
