@@ -272,6 +272,8 @@ class KernelLogParser:
         if "NVRM" not in text and "SXid" not in text and FOB_TAIL not in text:
             self._age_pending()
             return []
+        if (fields := self._memo.get(text)) is not None:  # a repeated line (one line, not cut: what _feed_line gets)
+            return [XidEvent(*fields, seq, usec)]
         if "\n" not in text:
             ev = self._feed_line(text[:MAX_LINE], seq, usec)
             return [] if ev is None else [ev]
