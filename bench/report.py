@@ -12,6 +12,7 @@ from bench.common import OUT, machine
 from bench.run_all import ratios, summary
 
 NAMES = ("latency", "storm", "write_rate", "npd_compare", "footprint", "fleet")
+OPTIONAL = ("storm_against",)  # rows shown when their benchmark was run (bench.storm --against)
 
 
 def load_results() -> tuple[dict[str, Any], list[str]]:
@@ -23,6 +24,11 @@ def load_results() -> tuple[dict[str, Any], list[str]]:
             results[name] = json.loads((OUT / f"{name}.json").read_text())
         except (OSError, ValueError):
             missing.append(name)
+    for name in OPTIONAL:
+        try:
+            results[name] = json.loads((OUT / f"{name}.json").read_text())
+        except (OSError, ValueError):
+            pass
     return results, missing
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import time
 from typing import Any
 
@@ -26,6 +27,12 @@ def main() -> None:
     ap.add_argument("--fleet-nodes", type=int, default=200)
     ap.add_argument("--controller-nodes", type=int, default=1000)
     ap.add_argument("--controller-seconds", type=float, default=120)
+    ap.add_argument(
+        "--storm-against",
+        default=storm.REFERENCE,
+        metavar="REV",
+        help="git revision whose Xid storm runs side by side with this tree's ('' skips it)",
+    )
     a = ap.parse_args()
     t0 = time.monotonic()
     with ControlPlane() as cp:
@@ -40,6 +47,7 @@ def main() -> None:
         mn = multinode.run()
         print("[bench] storm ...", flush=True)
         st = storm.run(cp)
+        sbs = storm_side_by_side(a.storm_against)
         print("[bench] API write rate ...", flush=True)
         wr = write_rate.run(cp)
         print("[bench] node-problem-detector side by side ...", flush=True)
@@ -57,13 +65,44 @@ def main() -> None:
     print(
         summary(
             {"latency": lat, "storm": st, "write_rate": wr, "npd_compare": npd, "footprint": fp, "fleet": fl}
-            | {"parsing": parse, "multinode": mn, "recovery": rec, "controller": ctl}
+            | {"parsing": parse, "multinode": mn, "recovery": rec, "controller": ctl, "storm_against": sbs}
         )
     )
     print(ratios(npd))
     print("\nFleet:\n" + fleet.report(fl))
     print("\nDetails:", json.dumps({"write_rate": wr, "npd": npd}, indent=1))
     print(f"JSON results in {OUT}/")
+
+
+def storm_side_by_side(rev: str) -> dict[str, Any] | None:
+    """bench.storm --against REV (each tree on a control plane of its own); a revision this clone lacks or a failed
+    run is named in the table instead of ending the benchmark run."""
+    if not rev:
+        return None
+    print(f"[bench] storm side by side with {rev} (each on its own control plane) ...", flush=True)
+    try:
+        return storm.against(rev)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return {"reference": rev, "error": str(e)[-300:]}
+
+
+def storm_against_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """The storm of this tree beside a reference revision's, from the same run (bench.storm --against)."""
+    s = r.get("storm_against")
+    if s is None:
+        return []
+    what = f"Xid storm side by side with {s['reference']}, this tree vs it"
+    if "error" in s:
+        return [(what, f"not run: {s['error']}", "-", "MISSED")]
+    cur, ref = s["best"]["current"], s["best"][s["reference"]]
+    return [
+        (
+            f"{what} ({s['records']:,} records, best of {s['rounds']} each, alternated)",
+            storm.against_report(s),
+            f">= {s['reference']}'s; >= 100,000 rec/s in process",
+            "ok" if cur["in_process"] >= max(ref["in_process"], 100_000) and cur["agent"] >= ref["agent"] else "MISSED",
+        )
+    ]
 
 
 PARSE_ROWS = (
@@ -148,6 +187,7 @@ def summary(r: dict[str, Any]) -> str:
             ">= 100,000 rec/s",
             ok(min(s_in["records_per_s"], s_ag["records_per_s"]) >= 100_000),
         ),
+        *storm_against_rows(r),
         (
             "Xid storm RSS growth",
             f"{s_in['rss_growth_mib']} MiB in process; {s_ag['rss_growth_mib']} MiB in the agent "

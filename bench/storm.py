@@ -1,11 +1,21 @@
 """Xid storm: 800,000 kmsg records, mostly repeated Xid 95 and Xid 13 lines across 8 GPUs.
 Measures (1) the parse path in-process (read, parse, classify, count, latch): records per second and
-RSS growth; (2) the running agent: time to read them all, its RSS growth, condition and Event writes."""
+RSS growth; (2) the running agent: time to read them all, its RSS growth, condition and Event writes.
+
+`--against REV` runs the storm of this tree and of the git revision REV (a temporary `git worktree`) side by side
+on this machine: each in a process and on a control plane of its own (each tree's own bench.storm and agent),
+alternated REV, this tree, REV, this tree ... (`--rounds` pairs); the best run of each is compared, since other
+work on the machine can only slow a run down."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
+import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -111,10 +121,83 @@ def run(cp: ControlPlane, n: int = 800_000) -> dict[str, Any]:
     return res
 
 
+REFERENCE = "a275dd0"  # the release before the kernel-log path grew (link changes, the reset proof, the Xid rate)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _storm_of(tree: Path, n: int) -> dict[str, Any]:
+    """One `python -m bench.storm` of the tree at `tree` (its own code, control plane and agent): its result."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the tree's own modules, from its root
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.storm", "--records", str(n)],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    lines = p.stdout.strip().splitlines()
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"bench.storm in {tree} failed ({p.returncode}): {(p.stderr or p.stdout)[-2000:]}")
+    result: dict[str, Any] = ast.literal_eval(lines[-1])  # the dict main() prints last
+    return result
+
+
+def against(rev: str, n: int = 800_000, rounds: int = 2) -> dict[str, Any]:
+    """The storm of this tree and of `rev` side by side (see the module's doc): the best in-process and in-agent
+    rates of each, and every run. Raises RuntimeError when `rev` cannot be checked out or its storm fails."""
+    git = ["git", "-C", str(ROOT)]
+    try:
+        commit = subprocess.run(
+            [*git, "rev-parse", "--verify", "--short", f"{rev}^{{commit}}"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"no revision {rev!r} in {ROOT} (a shallow clone?)") from e
+    tmp = Path(tempfile.mkdtemp(prefix="bench-storm-against-"))
+    ref = tmp / commit
+    subprocess.run([*git, "worktree", "add", "--quiet", "--detach", str(ref), commit], check=True)
+    runs: dict[str, list[dict[str, Any]]] = {commit: [], "current": []}
+    try:
+        for _ in range(rounds):
+            for name, tree in ((commit, ref), ("current", ROOT)):
+                print(f"[storm] {name} ...", flush=True)
+                runs[name].append(_storm_of(tree, n))
+    finally:
+        subprocess.run([*git, "worktree", "remove", "--force", str(ref)], capture_output=True, check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
+    best = {
+        name: {k: max(r[k]["records_per_s"] for r in rs) for k in ("in_process", "agent")} for name, rs in runs.items()
+    }
+    res = {"reference": commit, "records": n, "rounds": rounds, "best": best, "runs": runs}
+    save("storm_against", res)
+    return res
+
+
+def against_report(r: dict[str, Any]) -> str:
+    """The side-by-side figures in one line: best rates of this tree and of the reference, and the ratio."""
+    cur, ref = r["best"]["current"], r["best"][r["reference"]]
+    return "; ".join(
+        f"{where}: {cur[k]:,} vs {ref[k]:,} rec/s ({cur[k] / ref[k]:.2f}x)"
+        for k, where in (("in_process", "in process"), ("agent", "in the running agent"))
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--records", type=int, default=800_000)
+    ap.add_argument("--against", metavar="REV", help=f"also run REV's storm side by side (e.g. {REFERENCE})")
+    ap.add_argument("--rounds", type=int, default=2, help="with --against: runs of each, alternated")
     a = ap.parse_args()
+    if a.against:
+        try:
+            r = against(a.against, a.records, a.rounds)
+        except RuntimeError as e:
+            print(f"bench.storm: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(f"storm, this tree vs {r['reference']} (best of {a.rounds} each, alternated): {against_report(r)}")
+        print(r["best"])
+        return
     with ControlPlane() as cp:
         r = run(cp, a.records)
     print(r)

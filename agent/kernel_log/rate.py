@@ -82,9 +82,14 @@ class XidRateTracker:
         if not self.t.enabled:
             return
         grouped: dict[tuple[PciAddress, int], list[float]] = {}  # one dict and deque lookup per key and call
+        printed: dict[tuple[str, int], list[float]] = {}  # the same lists by the address as printed (cheap to hash)
         for ev, at in timed:
             if self.counts(ev):
-                grouped.setdefault((ev.address, ev.xid), []).append(at)  # type: ignore[arg-type]  # counts()
+                times = printed.get(by_print := (ev.raw_address, ev.xid))
+                if times is None:
+                    key = (ev.address, ev.xid)
+                    times = printed[by_print] = grouped.setdefault(key, [])  # type: ignore[arg-type]  # counts()
+                times.append(at)
         with self._lock:
             for key, times in grouped.items():
                 self._add(key, times)

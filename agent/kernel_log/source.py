@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     pass
 
 _ESC = re.compile(rb"\\x([0-9a-fA-F]{2})")
+# The header of a record as the kernel writes it, "prio,seq,usec,flags[,more];" in decimal digits: a file's lines
+# that start so are read without parse_record's general path (the same record comes out); any other line takes it.
+_PLAIN_HEAD = re.compile(rb"(\d{1,19}),(\d{1,19}),(\d{1,19}),[^;]{0,256};")
 KERNEL_FACILITY = 0
 READ_SIZE = 8192
 FILE_CHUNK = 1 << 20
@@ -328,9 +331,37 @@ class KmsgSource:
                 self._buf = tail[:MAX_RECORD]
             else:
                 self._buf = (self._buf + tail[:MAX_RECORD])[:MAX_RECORD]  # a line longer than MAX_RECORD is cut
-            for raw in lines:
-                raw = raw[:MAX_RECORD]
-                if raw[:1] == b" ":
-                    continue  # continuation line (KEY=value) of the previous record
-                self._accept(parse_record(raw.decode("utf-8", "replace")), out)
+            self._accept_lines(lines, out)
         return out
+
+    def _accept_lines(self, lines: list[bytes], out: list[KmsgRecord]) -> None:
+        """_accept(parse_record(line)) for each line of a file, the kernel's own header read in place (a storm's hot
+        path): a record from outside the kernel is counted without being decoded, unless user records are trusted."""
+        head, trust_user = _PLAIN_HEAD.match, self.trust_user
+        last, lost, read = self.last_seq, 0, 0
+        seq: int | None
+        rec: KmsgRecord | None
+        for raw in lines:
+            m = head(raw)
+            rec = None
+            if m is not None:
+                prio, seq = int(m[1]), int(m[2])
+                if prio >> 3 == KERNEL_FACILITY or trust_user:
+                    text = raw[m.end() : MAX_RECORD].decode("utf-8", "replace").rstrip("\r")
+                    rec = KmsgRecord(prio >> 3, prio & 7, seq, int(m[3]), unescape(text) if "\\x" in text else text)
+            elif raw[:1] == b" ":
+                continue  # continuation line (KEY=value) of the previous record
+            elif (rec := parse_record(raw[:MAX_RECORD].decode("utf-8", "replace"))) is None:
+                continue  # a blank line
+            else:  # a record of another form, or plain text (a saved dmesg: kept, with facility None)
+                seq = rec.seq
+                if not (rec.facility is None or rec.from_kernel or trust_user):
+                    rec = None
+            if seq is not None:
+                if last is not None and seq > last + 1:
+                    lost += seq - last - 1
+                last = seq
+            read += 1
+            if rec is not None:
+                out.append(rec)
+        self.last_seq, self.lost_records, self.records_read = last, self.lost_records + lost, self.records_read + read

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from agent.kernel_log.link import LinkChange, parse_link_change
 from agent.kernel_log.xid import KernelLogParser
 from agent.logs import get_logger
-from agent.model import Check, Finding, ProbeResult, XidEvent
+from agent.model import Check, Finding, PciAddress, ProbeResult, XidEvent
 from agent.probes.base import ProbeContext
 from agent.settings import setting, to_bool, to_str
 
@@ -72,7 +72,7 @@ def place_events(
         ref = (time.monotonic() if kernel_now_s is None else kernel_now_s) * 1e6
     else:
         ref = max(stamps) if newest_usec is None else max(newest_usec, *stamps)
-    return [(ev, now if ev.usec is None else now - max(0.0, (ref - ev.usec) / 1e6)) for ev in events]
+    return [(ev, now if ev.usec is None or ev.usec >= ref else now - (ref - ev.usec) / 1e6) for ev in events]
 
 
 class KernelLogIngest:
@@ -102,26 +102,33 @@ class KernelLogIngest:
         rated: list[XidEvent] = []
         now = time.time() if now is None else now
         counts: dict[tuple[int, str, bool], int] = {}
-        feed, latch, note = self.parser.feed, self.state.latch, self.state.note_gpu_record
+        noted: dict[str, tuple[PciAddress, int]] = {}  # per address as printed: the GPU, its newest record's seq
+        feed, latch = self.parser.feed, self.state.latch
         rate_on = self.rate is not None and self.rate.t.enabled
+        links_on = self.links
         links: list[LinkChange] = []
         nlinks = 0
         for r in records:
-            if self.links and (change := parse_link_change(r.text)) is not None:
+            text = r.text
+            if links_on and "mlx5_core" in text and (change := parse_link_change(text)) is not None:
                 nlinks += 1
                 if len(links) < LINK_CHANGES_KEPT and all(c[:4] != change[:4] for c in links):
                     links.append(change)
-            for ev in feed(r.text, r.seq, r.usec):
+            for ev in feed(text, r.seq, r.usec):
                 key = (ev.xid, ev.raw_address, ev.fatal)
                 counts[key] = counts.get(key, 0) + 1
                 if ev.address is not None and ev.seq is not None:
-                    note(ev.address, ev.seq)  # a recovery's proof wants the log quiet for the GPU it reset
+                    seen = noted.get(ev.raw_address)
+                    if seen is None or ev.seq > seen[1]:
+                        noted[ev.raw_address] = (ev.address, ev.seq)
                 if ev.fatal:
                     if latch(ev, now) is not None:
                         fresh.append(ev)
                 elif rate_on:
                     rated.append(ev)  # the tracker keeps the ones it counts
         self.link_changes, self.link_change_count = links, nlinks
+        for gpu, seq in noted.values():
+            self.state.note_gpu_record(gpu, seq)  # a recovery's proof wants the log quiet for the GPU it reset
         for key, n in counts.items():
             self.metrics.observe_xid_key(key, n)
         if rated and self.rate is not None:

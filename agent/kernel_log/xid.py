@@ -53,6 +53,11 @@ FALLEN_OFF_BUS_XID = 79
 # they are this close (kernel timestamps when both have them, else records fed in between).
 BURST_USEC = 10_000_000
 BURST_RECORDS = 64
+# A storm repeats a few lines thousands of times: the parser keeps what it made of each recent line whose outcome
+# depends on the line alone (an Xid other than 79, an SXid, an unparseable Xid line), at most this many lines
+# (cut to MAX_LINE characters: bounded memory), and forgets them all when full.
+LINE_MEMO = 256
+EventFields = tuple[int, PciAddress | None, str, bool, str, str, str, str]  # an XidEvent's fields but seq and usec
 
 # NVLink5 decode table actions that latch. IGNORE does not; XID_154_EVAL means RESTART_APP unless an Xid 154
 # says more, and that 154 is judged by itself.
@@ -252,6 +257,7 @@ class KernelLogParser:
         self._pending_fob: tuple[str, int] | None = None  # (address, records left to see the tail)
         self._records = 0
         self._off_bus: dict[PciAddress, tuple[int, int | None, str]] = {}  # GPU -> (record number, usec, kind)
+        self._memo: dict[str, EventFields | None] = {}  # line -> its event (None: no event); see LINE_MEMO
 
     def feed(self, text: str, seq: int | None = None, usec: int | None = None) -> list[XidEvent]:
         self._records += 1
@@ -259,6 +265,8 @@ class KernelLogParser:
         if "NVRM" not in text and "SXid" not in text and FOB_TAIL not in text:
             self._age_pending()
             return []
+        if (fields := self._memo.get(text)) is not None:  # a repeated line (one line, not cut: what _feed_line gets)
+            return [XidEvent(*fields, seq, usec)]
         if "\n" not in text:
             ev = self._feed_line(text[:MAX_LINE], seq, usec)
             return [] if ev is None else [ev]
@@ -275,20 +283,26 @@ class KernelLogParser:
             self._pending_fob = (addr, left - 1) if left > 1 else None
 
     def _feed_line(self, line: str, seq: int | None, usec: int | None) -> XidEvent | None:
+        memo = self._memo
+        if line in memo:
+            fields = memo[line]
+            return None if fields is None else XidEvent(*fields, seq, usec)
         m = XID_RE.search(line)
         if m:
             xid = int(m["xid"])
             fatal, name, action = self.classifier.classify(xid, line[m.end() :])
             raw = m["addr"]
             addr = PciAddress.parse(raw)
-            if xid == FALLEN_OFF_BUS_XID and not self._first_of_burst(addr, usec, "xid"):
-                return None
-            return XidEvent(xid, addr, raw, fatal, line.strip(), "xid", name, action, seq, usec)
+            if xid == FALLEN_OFF_BUS_XID:  # paired with its fallen-off-the-bus companion: not memoised
+                if not self._first_of_burst(addr, usec, "xid"):
+                    return None
+                return XidEvent(xid, addr, raw, fatal, line.strip(), "xid", name, action, seq, usec)
+            return self._remember(line, (xid, addr, raw, fatal, line.strip(), "xid", name, action), seq, usec)
         m = SXID_RE.search(line)
         if m:
-            return self._sxid(m, line, seq, usec)
+            return self._remember(line, self._sxid(m, line), seq, usec)
         if "Xid" in line:
-            return None  # an unparseable Xid line (e.g. an absurd number): not a driver record
+            return self._remember(line, None, seq, usec)  # an unparseable Xid line (e.g. an absurd number)
         m = FOB_GPU_RE.search(line)
         if m:
             return self._fallen_off_bus(m["addr"], line, seq, usec)
@@ -304,20 +318,33 @@ class KernelLogParser:
         self._age_pending()
         return None
 
-    def _sxid(self, m: re.Match[str], line: str, seq: int | None, usec: int | None) -> XidEvent | None:
+    def _remember(
+        self,
+        line: str,
+        fields: EventFields | None,
+        seq: int | None,
+        usec: int | None,
+    ) -> XidEvent | None:
+        """The event of a line whose outcome depends on the line alone (None: no event), kept for its repeats."""
+        if len(self._memo) >= LINE_MEMO:
+            self._memo.clear()
+        self._memo[line] = fields
+        return None if fields is None else XidEvent(*fields, seq, usec)
+
+    @staticmethod
+    def _sxid(m: re.Match[str], line: str) -> EventFields | None:
+        """An SXid record's event fields (all but seq and usec), or None for a continuation record."""
         sxid = int(m["xid"])
         rest = line[m.end() :]
         sev = SXID_SEVERITY_RE.match(rest)
         if sev is not None:
             fatal = sev.group(1) == "Fatal"
             action = "RESET_NVSWITCH" if fatal else "IGNORE"
-            return XidEvent(sxid, None, m["addr"], fatal, line.strip(), "sxid", "NVSWITCH_SXID", action, seq, usec)
+            return (sxid, None, m["addr"], fatal, line.strip(), "sxid", "NVSWITCH_SXID", action)
         soe = SOE_FATAL.get(sxid)
         if soe is not None and rest.startswith(soe):
             # No severity word; judged fatal: see docs/xid-policy.md "NVSwitch SOE".
-            return XidEvent(
-                sxid, None, m["addr"], True, line.strip(), "sxid", "NVSWITCH_SOE", "RESET_NVSWITCH", seq, usec
-            )
+            return (sxid, None, m["addr"], True, line.strip(), "sxid", "NVSWITCH_SOE", "RESET_NVSWITCH")
         return None  # continuation record ("Severity 1 ...", "Data {...}", "SOE HALT data[0] = ...")
 
     def _first_of_burst(self, addr: PciAddress | None, usec: int | None, source: str) -> bool:
