@@ -388,9 +388,8 @@ class Controller:
 
     def _brake_is_ours(self) -> bool:
         """Whether the brake ConfigMap, read now, is a version this controller wrote or holds what it wrote."""
-        try:
-            cm = self.api.request("GET", self._cm_path(self.args.brake))
-        except ApiError:
+        cm = self._get_brake()
+        if cm is None:
             return False  # absent (or unreadable: the rewrite that follows says which)
         rv = str((cm.get("metadata") or {}).get("resourceVersion") or "")
         return rv in self.brake_versions or cm.get("data") == self.brake_data
@@ -399,11 +398,17 @@ class Controller:
         base = f"/api/v1/namespaces/{quote(self.args.namespace)}/configmaps"
         return f"{base}/{quote(name)}" if name else base
 
+    def _get_brake(self) -> dict[str, Any] | None:
+        """The brake ConfigMap read now; None when it is absent or cannot be read."""
+        try:
+            return self.api.request("GET", self._cm_path(self.args.brake))
+        except ApiError:
+            return None
+
     def _read_admitted(self) -> tuple[str, ...]:
         """At the start of a term: the admissions the previous holder published, kept first."""
-        try:
-            cm = self.api.request("GET", self._cm_path(self.args.brake))
-        except ApiError:
+        cm = self._get_brake()
+        if cm is None:
             return ()
         self.brake_data = cm.get("data") or {}
         self._own_version(cm)

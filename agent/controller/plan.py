@@ -132,13 +132,14 @@ def brake_state(nodes: Iterable[NodeView], spec: str | int, previous: Iterable[s
         held_views, key=lambda v: (admission_rank(v), 0 if v.name in before else 1, before.get(v.name, 0), v.name)
     )
     evicting = {v.name for v in views if v.evicting}
+    in_effect = set(evicting)  # the NoExecutes in effect once the admitted so far take theirs
     admitted: list[str] = []
     for v in order:
         if len(admitted) >= budget:
             break
-        in_effect = evicting.union(admitted)
         if v.name in evicting or len(in_effect) < budget:
             admitted.append(v.name)
+            in_effect.add(v.name)
     return BrakeState(len(views), tuple(held), budget, tuple(admitted))
 
 
